@@ -1,0 +1,303 @@
+"""`pagoda bench offline`: in-process throughput and latency, against a baseline in the same run.
+
+Workloads: `batch` (many requests at once), `single` (one stream), `prefill` (one long prompt),
+compared with transformers `generate` on the same prompts, dtype and threads; and `shared-prefix`
+and `multi-turn`, run with the prefix cache on and off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+WORKLOADS = ("batch", "single", "prefill", "shared-prefix", "multi-turn")
+# Qwen2.5-0.5B's shape: the default model when none is given (random weights).
+DEFAULT_SHAPE = dict(
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    intermediate_size=4864,
+    tie_word_embeddings=True,
+)
+_DEFAULTS = {  # workload -> (num_prompts, input_len, output_len)
+    "batch": (32, 256, 128),
+    "single": (1, 128, 128),
+    "prefill": (1, 2048, 1),
+    "shared-prefix": (64, 64, 32),
+    "multi-turn": (16, 64, 32),
+}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "offline",
+        help="in-process engine benchmark against a baseline in the same run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", help="HF model folder (default: random weights with Qwen2.5-0.5B's shape)")
+    p.add_argument("--workload", choices=WORKLOADS, default="batch")
+    p.add_argument("--num-prompts", type=int, help="requests (conversations for multi-turn)")
+    p.add_argument("--input-len", type=int, help="prompt tokens (the question, for shared-prefix)")
+    p.add_argument("--output-len", type=int, help="generated tokens per request")
+    p.add_argument("--prefix-len", type=int, default=1024, help="shared system prompt tokens (shared-prefix)")
+    p.add_argument("--num-turns", type=int, default=4, help="turns per conversation (multi-turn)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    p.add_argument("--vocab-size", type=int, default=151936, help="vocabulary of the default random model")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the baseline run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-file", help="write the figures as JSON here")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class RunResult:
+    name: str
+    seconds: float
+    output_tokens: int
+    input_tokens: int
+    ttfts: list[float]
+    computed_tokens: int | None = None
+
+    def row(self) -> dict:
+        return {
+            "name": self.name,
+            "seconds": round(self.seconds, 3),
+            "output_tok_per_s": round(self.output_tokens / self.seconds, 2),
+            "input_tok_per_s": round(self.input_tokens / self.seconds, 2),
+            "mean_ttft_s": round(statistics.fmean(self.ttfts), 4) if self.ttfts else None,
+            "computed_tokens": self.computed_tokens,
+        }
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n, input_len, output_len = _DEFAULTS[args.workload]
+    n = args.num_prompts or n
+    input_len = args.input_len or input_len
+    output_len = args.output_len or output_len
+    for name, value in (("num-prompts", n), ("input-len", input_len), ("output-len", output_len)):
+        if value < 1:
+            raise SystemExit(f"pagoda bench offline: --{name} must be >= 1")
+    model = args.model or _default_model(args.vocab_size)
+    from pagoda.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    print(
+        f"model: {model}\nworkload: {args.workload}, {n} requests, input {input_len}, output {output_len}, "
+        f"dtype {args.dtype}, threads {torch.get_num_threads()}"
+    )
+    results: list[RunResult] = []
+    if args.workload in ("shared-prefix", "multi-turn"):
+        for caching in (True, False):
+            results.append(_run_cache_workload(args, model, tokenizer, n, input_len, output_len, caching))
+    else:
+        prompts = _random_prompts(tokenizer, n, input_len, args.seed)
+        results.append(_run_pagoda(args, model, prompts, output_len))
+        if not args.no_baseline:
+            results.append(_run_transformers(model, args.dtype, prompts, output_len))
+    _report(args, results)
+    return 0
+
+
+def _default_model(vocab_size: int) -> str:
+    from pagoda.models.synthetic import build_random_model
+
+    root = os.path.join(os.path.expanduser("~"), ".cache", "pagoda", "bench-models")
+    path = os.path.join(root, f"qwen2.5-0.5b-shape-v{vocab_size}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        print(f"building a random model with Qwen2.5-0.5B's shape in {path} (once)")
+        build_random_model(path, "Qwen2ForCausalLM", vocab_size=vocab_size, dtype="bfloat16", **DEFAULT_SHAPE)
+    return path
+
+
+def _random_prompts(tokenizer, n: int, input_len: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    return [[rng.choice(vocab) for _ in range(input_len)] for _ in range(n)]
+
+
+def _engine(args, model: str, caching: bool = True):
+    from pagoda.config import EngineArgs
+    from pagoda.engine.llm_engine import LLMEngine
+
+    return LLMEngine(
+        EngineArgs(
+            model=model,
+            dtype=args.dtype,
+            seed=args.seed,
+            enable_prefix_caching=caching,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+        )
+    )
+
+
+def _warmup(engine) -> None:
+    from pagoda.sampling_params import SamplingParams
+
+    engine.add_request(None, [1, 2, 3, 4] * 8, SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.reset_prefix_cache()
+
+
+def _run_pagoda(args, model: str, prompts: list[list[int]], output_len: int) -> RunResult:
+    from pagoda.sampling_params import SamplingParams
+
+    engine = _engine(args, model)
+    _warmup(engine)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    start, mono0 = time.perf_counter(), time.monotonic()
+    for p in prompts:
+        engine.add_request(None, p, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    elapsed = time.perf_counter() - start
+    ttfts = [o.metrics["first_token_time"] - mono0 for o in outputs]
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return RunResult("pagoda", elapsed, out_tokens, sum(map(len, prompts)), ttfts)
+
+
+def _run_transformers(model: str, dtype: str, prompts: list[list[int]], output_len: int) -> RunResult:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    width = max(map(len, prompts))
+    pad = 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+    with torch.inference_mode():
+        hf.generate(
+            input_ids=ids[:, :8],
+            attention_mask=mask[:, :8],
+            max_new_tokens=2,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+        start = time.perf_counter()
+        out = hf.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        elapsed = time.perf_counter() - start
+    out_tokens = (out.shape[1] - width) * len(prompts)
+    return RunResult("transformers", elapsed, out_tokens, sum(map(len, prompts)), [])
+
+
+def _run_cache_workload(args, model, tokenizer, n, input_len, output_len, caching: bool) -> RunResult:
+    from pagoda.bench.datasets import DatasetConfig, sample_requests
+    from pagoda.sampling_params import SamplingParams
+
+    engine = _engine(args, model, caching)
+    _warmup(engine)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    if args.workload == "shared-prefix":
+        cfg = DatasetConfig(
+            "shared-prefix",
+            n,
+            input_len=input_len,
+            output_len=output_len,
+            prefix_len=args.prefix_len,
+            num_groups=1,
+            seed=args.seed,
+        )
+    else:
+        cfg = DatasetConfig(
+            "multi-turn",
+            n,
+            input_len=input_len,
+            output_len=output_len,
+            num_turns=args.num_turns,
+            seed=args.seed,
+        )
+    requests = sample_requests(cfg, tokenizer)
+    stats = engine.core.scheduler.stats
+    computed0 = stats.num_computed_tokens
+    start = time.perf_counter()
+    mono0 = time.monotonic()
+    ttfts: list[float] = []
+    out_tokens = in_tokens = 0
+    if args.workload == "shared-prefix":
+        for r in requests:
+            engine.add_request(None, list(r.prompt_token_ids), params)
+            in_tokens += len(r.prompt_token_ids)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    ttfts.append(out.metrics["first_token_time"] - mono0)
+                    out_tokens += len(out.outputs[0].token_ids)
+    else:
+        # Conversations run side by side; each next turn resends the history with the answer.
+        turns: dict[int, list] = {}
+        for r in requests:
+            turns.setdefault(r.conversation_id, []).append(r)
+        history: dict[int, list[tuple[str, str]]] = {c: [] for c in turns}
+        pending: dict[str, int] = {}
+
+        def submit(conv: int) -> None:
+            nonlocal in_tokens
+            turn = turns[conv][len(history[conv])]
+            ids = tokenizer.encode(turn.completion_prompt(history[conv]), add_special_tokens=False)
+            in_tokens += len(ids)
+            pending[engine.add_request(None, ids, params)] = conv
+            turn_start[conv] = time.monotonic()
+
+        turn_start: dict[int, float] = {}
+        for conv in turns:
+            submit(conv)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                conv = pending.pop(out.request_id)
+                ttfts.append(out.metrics["first_token_time"] - turn_start[conv])
+                out_tokens += len(out.outputs[0].token_ids)
+                history[conv].append((turns[conv][len(history[conv])].prompt, out.outputs[0].text))
+                if len(history[conv]) < len(turns[conv]):
+                    submit(conv)
+    elapsed = time.perf_counter() - start
+    name = f"pagoda cache {'on' if caching else 'off'}"
+    return RunResult(name, elapsed, out_tokens, in_tokens, ttfts, stats.num_computed_tokens - computed0)
+
+
+def _report(args, results: list[RunResult]) -> None:
+    rows = [r.row() for r in results]
+    base = results[-1]
+    print(
+        f"\n{'run':<20}{'seconds':>10}{'out tok/s':>12}{'in tok/s':>12}{'mean TTFT s':>13}{'computed':>10}{'ratio':>8}"
+    )
+    for r, row in zip(results, rows, strict=True):
+        if args.workload == "prefill":
+            ratio = base.seconds / r.seconds
+        else:
+            ratio = (r.output_tokens / r.seconds) / (base.output_tokens / base.seconds)
+        row["ratio_vs_last"] = round(ratio, 3)
+        ttft = f"{row['mean_ttft_s']:.4f}" if row["mean_ttft_s"] is not None else "-"
+        computed = row["computed_tokens"] if row["computed_tokens"] is not None else "-"
+        print(
+            f"{r.name:<20}{row['seconds']:>10.2f}{row['output_tok_per_s']:>12.1f}{row['input_tok_per_s']:>12.1f}"
+            f"{ttft:>13}{computed!s:>10}{ratio:>7.2f}x"
+        )
+    if len(results) == 2 and results[0].ttfts and results[1].ttfts:
+        speedup = statistics.fmean(results[1].ttfts) / statistics.fmean(results[0].ttfts)
+        print(f"mean TTFT, {results[1].name} / {results[0].name}: {speedup:.2f}x")
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump({"workload": args.workload, "results": rows}, f, indent=2)

@@ -1,0 +1,208 @@
+"""A radix tree of cached prefixes (RadixAttention), at KV-block granularity.
+
+Each node owns a run of whole blocks: `key` holds their token ids (a multiple of block_size) and
+`blocks` their ids. The tree holds one pool reference on every block it caches. A running request
+locks the deepest node of its cached prefix; a lock counts on that node and all its ancestors, so
+a node with lock_ref == 0 has an unlocked subtree and only unlocked leaves are evicted (LRU).
+Requests with different cache salts live under different roots and never share blocks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Sequence
+
+from pagoda.cache.block_pool import BlockPool
+
+
+class Node:
+    __slots__ = ("blocks", "children", "key", "last_access", "lock_ref", "parent")
+
+    def __init__(self, key: tuple[int, ...], blocks: list[int], parent: Node | None) -> None:
+        self.key = key
+        self.blocks = blocks
+        self.parent = parent
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+
+    def __lt__(self, other: Node) -> bool:  # heap order: least recently used first
+        return self.last_access < other.last_access
+
+
+class RadixCache:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self._roots: dict[Hashable, Node] = {}
+        self._clock = itertools.count(1)
+        self.evictable_blocks = 0  # blocks in nodes with lock_ref == 0
+        self.protected_blocks = 0  # blocks in locked nodes
+        self.num_evicted_blocks = 0
+
+    # ---- lookups -------------------------------------------------------------------------------
+    def root(self, salt: Hashable) -> Node:
+        node = self._roots.get(salt)
+        if node is None:
+            node = self._roots[salt] = Node((), [], None)
+            node.lock_ref = 1  # roots are never evicted
+        return node
+
+    def _block_key(self, tokens: Sequence[int], i: int) -> tuple[int, ...]:
+        return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+
+    def _walk(self, node: Node, tokens: Sequence[int], split: bool) -> tuple[Node, int, list[int]]:
+        """Follow whole blocks of `tokens` down from `node`. Returns the deepest node reached, the
+        number of blocks matched, and their ids. With split=True, a match that ends inside a node
+        splits it so that the match ends exactly at a node boundary."""
+        bs = self.block_size
+        n_blocks = len(tokens) // bs
+        matched: list[int] = []
+        i = 0
+        while i < n_blocks:
+            child = node.children.get(self._block_key(tokens, i))
+            if child is None:
+                break
+            k = 1  # blocks of child.key matched; the first matched by the dict lookup
+            n_child = len(child.blocks)
+            while (
+                k < n_child
+                and i + k < n_blocks
+                and child.key[k * bs : (k + 1) * bs] == self._block_key(tokens, i + k)
+            ):
+                k += 1
+            if k < n_child:
+                if not split:
+                    matched.extend(child.blocks[:k])
+                    return node, i + k, matched
+                child = self._split(child, k)
+            matched.extend(child.blocks)
+            node = child
+            i += k
+        return node, i, matched
+
+    def match_len(self, tokens: Sequence[int], salt: Hashable = None) -> int:
+        """Number of leading tokens cached, without touching the tree (for scheduling decisions)."""
+        if salt not in self._roots:
+            return 0
+        return self._walk(self._roots[salt], tokens, split=False)[1] * self.block_size
+
+    def match(self, tokens: Sequence[int], salt: Hashable = None) -> tuple[Node, list[int]]:
+        """Longest cached whole-block prefix: its deepest node (not locked) and its block ids."""
+        node, _, blocks = self._walk(self.root(salt), tokens, split=True)
+        self._touch(node)
+        return node, blocks
+
+    # ---- updates -------------------------------------------------------------------------------
+    def insert(self, node: Node, tokens: Sequence[int], blocks: Sequence[int]) -> Node:
+        """Cache `blocks` (holding whole blocks of `tokens`) as the continuation of `node`'s path.
+        Where the tree already caches those tokens it keeps its own blocks; new ones get a tree
+        reference. Returns the node that ends exactly at the end of `tokens`."""
+        bs = self.block_size
+        if len(tokens) != len(blocks) * bs:
+            raise ValueError("insert needs exactly one block of tokens per block id")
+        node, i, _ = self._walk(node, tokens, split=True)
+        if i < len(blocks):
+            new = Node(tuple(tokens[i * bs :]), list(blocks[i:]), node)
+            node.children[new.key[:bs]] = new
+            self.pool.incref(new.blocks)
+            self.evictable_blocks += len(new.blocks)
+            # A new node under a locked parent starts unlocked; its lock count is its own.
+            node = new
+        self._touch(node)
+        return node
+
+    def lock(self, node: Node) -> None:
+        while node is not None:
+            if node.lock_ref == 0 and node.parent is not None:
+                self.evictable_blocks -= len(node.blocks)
+                self.protected_blocks += len(node.blocks)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not None:
+            node.lock_ref -= 1
+            if node.lock_ref < 0:
+                raise RuntimeError("radix node unlocked more often than locked")
+            if node.lock_ref == 0 and node.parent is not None:
+                self.evictable_blocks += len(node.blocks)
+                self.protected_blocks -= len(node.blocks)
+            node = node.parent
+
+    def evict(self, num_blocks: int) -> int:
+        """Free at least `num_blocks` blocks from least recently used unlocked leaves, if there
+        are that many. Returns the number of blocks released."""
+        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0 and n.parent is not None]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_blocks and heap:
+            leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[leaf.key[: self.block_size]]
+            self.pool.decref(leaf.blocks)
+            freed += len(leaf.blocks)
+            self.evictable_blocks -= len(leaf.blocks)
+            if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
+                heapq.heappush(heap, parent)
+        self.num_evicted_blocks += freed
+        return freed
+
+    def reset(self) -> int:
+        """Drop every unlocked entry (locked ones are in use and stay)."""
+        return self.evict(self.evictable_blocks)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _split(self, child: Node, k: int) -> Node:
+        """Cut `child` after k blocks. The lower half keeps the object's identity, so locks held
+        on it stay valid; the new upper node inherits its lock count."""
+        bs = self.block_size
+        parent = child.parent
+        upper = Node(child.key[: k * bs], child.blocks[:k], parent)
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        parent.children[upper.key[:bs]] = upper
+        child.key = child.key[k * bs :]
+        child.blocks = child.blocks[k:]
+        child.parent = upper
+        upper.children[child.key[:bs]] = child
+        return upper
+
+    def _touch(self, node: Node) -> None:
+        now = next(self._clock)
+        while node is not None:
+            node.last_access = now
+            node = node.parent
+
+    def _nodes(self):
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def cached_blocks(self) -> list[int]:
+        return [b for n in self._nodes() for b in n.blocks]
+
+    def check(self) -> None:
+        evictable = protected = 0
+        for node in self._nodes():
+            if node.parent is None:
+                continue
+            if len(node.key) != len(node.blocks) * self.block_size or not node.blocks:
+                raise AssertionError("radix node key and blocks disagree")
+            if node.parent.children.get(node.key[: self.block_size]) is not node:
+                raise AssertionError("radix node not reachable from its parent")
+            child_locks = sum(c.lock_ref for c in node.children.values())
+            if node.lock_ref < child_locks:
+                raise AssertionError("radix node locked less than its children")
+            if node.lock_ref == 0:
+                evictable += len(node.blocks)
+            else:
+                protected += len(node.blocks)
+        if (evictable, protected) != (self.evictable_blocks, self.protected_blocks):
+            raise AssertionError(
+                f"radix sizes drifted: counted evictable={evictable} protected={protected}, "
+                f"kept {self.evictable_blocks}/{self.protected_blocks}"
+            )

@@ -1,0 +1,339 @@
+"""AsyncLLM: the engine stepped on one background thread, with an asyncio stream per request.
+
+Every LLMEngine call happens on the engine thread (the engine is not thread-safe). Callers on any
+asyncio loop send commands through a thread-safe queue; the thread drains it, steps, and hands the
+outputs to each request's asyncio queue with `loop.call_soon_threadsafe`. When nothing is left to
+run, the thread blocks on the command queue instead of spinning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda.config import EngineArgs
+from pagoda.engine.input_processor import Prompt
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Called on the engine thread after each step (and after aborts) with the delta outputs produced.
+StepCallback = Callable[[LLMEngine, list[RequestOutput]], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step raised); no request can be served."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue already holds `max_waiting_requests` requests."""
+
+
+class _Sink:
+    """An asyncio queue that the engine thread feeds."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+_ACCEPTED = object()  # first item of a sink: the engine took the requests
+
+
+@dataclass
+class _Add:
+    request_ids: list[str]
+    prompts: list[Prompt]
+    params: SamplingParams
+    cache_salt: str | None
+    stream: bool
+    sink: _Sink
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+_STOP = object()
+
+
+class RequestStream:
+    """The outputs of one or more requests added together, in the order they are produced.
+
+    With stream=True each output is a delta (only the new text / tokens); otherwise one cumulative
+    output per request when it finishes. Iteration ends when every request finished. Leaving it
+    early (break, cancellation, `async with` exit) must be followed by `abort()`.
+    """
+
+    def __init__(self, engine: AsyncLLM, request_ids: list[str], sink: _Sink) -> None:
+        self.request_ids = request_ids
+        self._engine = engine
+        self._sink = sink
+        self._pending = set(request_ids)
+
+    @property
+    def finished(self) -> bool:
+        return not self._pending
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._pending:
+            raise StopAsyncIteration
+        item = await self._sink.queue.get()
+        if isinstance(item, BaseException):
+            self._pending.clear()
+            raise item
+        if item.finished:
+            self._pending.discard(item.request_id)
+        return item
+
+    def abort(self) -> None:
+        """Abort the requests still running (idempotent); their blocks are freed at once."""
+        if self._pending:
+            self._engine._submit(_Abort(sorted(self._pending)))
+            self._pending.clear()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+
+class AsyncLLM:
+    """An LLMEngine served from one background thread to asyncio callers."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_waiting_requests: int | None = None,
+        on_step: StepCallback | None = None,
+    ) -> None:
+        if max_waiting_requests is not None and (
+            not isinstance(max_waiting_requests, int) or max_waiting_requests < 1
+        ):
+            raise ValueError(f"max_waiting_requests must be an integer >= 1, got {max_waiting_requests!r}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.on_step = on_step
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _closed against a submit racing the thread's exit
+        self._closed = False
+        self.error: BaseException | None = None  # why the engine thread died, if it did
+        # Engine-thread state: where each request's outputs go, and non-streamed outputs so far.
+        self._sinks: dict[str, tuple[_Sink, bool]] = {}
+        self._partial: dict[str, RequestOutput] = {}
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        return cls(LLMEngine(args), **kwargs)
+
+    # ---- read-only facts (safe from any thread) ---------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def is_running(self) -> bool:
+        return not self._closed
+
+    def chat_prompt(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
+        """Chat template → prompt token ids (tokenizer only; no engine state is touched)."""
+        return self.engine.chat_prompt(messages, **template_kwargs)
+
+    # ---- requests --------------------------------------------------------------------------------
+    async def add_requests(
+        self,
+        request_ids: Sequence[str],
+        prompts: Sequence[Prompt],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        stream: bool = True,
+    ) -> RequestStream:
+        """Queue requests that share sampling params; all are accepted or none. Raises ValueError
+        naming a bad parameter or prompt, EngineOverloadedError when the waiting queue is full,
+        EngineDeadError when the engine is not running."""
+        if len(request_ids) != len(prompts) or not prompts:
+            raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts")
+        sink = _Sink()
+        self._submit(_Add(list(request_ids), list(prompts), params, cache_salt, stream, sink))
+        item = await sink.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return RequestStream(self, list(request_ids), sink)
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        stream: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request: deltas (stream=True) or one final output. Validation errors
+        surface as ValueError before the first output; leaving the loop early aborts the request."""
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        async with await self.add_requests(
+            [request_id], [prompt], params, cache_salt=cache_salt, stream=stream
+        ) as s:
+            async for out in s:
+                yield out
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._submit(_Abort(list(request_ids)))
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Abort whatever runs, stop the engine thread and wait for it (idempotent)."""
+        with self._lock:
+            if not self._closed:
+                self._commands.put(_STOP)
+        self._thread.join(timeout)
+
+    def _submit(self, command: Any) -> None:
+        with self._lock:
+            if not self._closed:
+                self._commands.put(command)
+                return
+        if isinstance(command, _Add):
+            raise EngineDeadError(self._dead_message())
+
+    def _dead_message(self) -> str:
+        if self.error is None:
+            return "the engine is shut down"
+        return f"the engine stopped after an error: {self.error!r}"
+
+    # ---- the engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                commands = [self._commands.get()] if not engine.has_unfinished_requests() else []
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        commands.append(self._commands.get_nowait())
+                for command in commands:
+                    if command is _STOP:
+                        self._stop()
+                        return
+                    if isinstance(command, _Add):
+                        self._add(command)
+                    else:
+                        self._publish(engine.abort_request(command.request_ids))
+                if engine.has_unfinished_requests():
+                    self._publish(engine.step())
+        except BaseException as exc:
+            logger.exception("the engine thread died")
+            self.error = exc
+            self._stop()
+
+    def _add(self, cmd: _Add) -> None:
+        engine = self.engine
+        waiting = len(engine.core.scheduler.waiting)
+        if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+            cmd.sink.put(
+                EngineOverloadedError(
+                    f"the server is overloaded: {waiting} requests are already waiting "
+                    f"(max_waiting_requests={self.max_waiting_requests}); retry later"
+                )
+            )
+            return
+        added: list[str] = []
+        try:
+            for rid, prompt in zip(cmd.request_ids, cmd.prompts, strict=True):
+                if rid in self._sinks:
+                    raise ValueError(f"request id {rid!r} is already in use")
+                engine.add_request(rid, prompt, cmd.params, cache_salt=cmd.cache_salt, stream=True)
+                added.append(rid)
+        except ValueError as exc:
+            engine.abort_request(added)
+            cmd.sink.put(exc)
+            return
+        for rid in added:
+            self._sinks[rid] = (cmd.sink, cmd.stream)
+        cmd.sink.put(_ACCEPTED)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if self.on_step is not None:
+            self.on_step(self.engine, outputs)
+        for out in outputs:
+            entry = self._sinks.get(out.request_id)
+            if entry is None:
+                continue
+            sink, stream = entry
+            if not stream:
+                out = self._partial[out.request_id] = _merge(self._partial.get(out.request_id), out)
+            if out.finished:
+                del self._sinks[out.request_id]
+                self._partial.pop(out.request_id, None)
+            if stream or out.finished:
+                sink.put(out)
+
+    def _stop(self) -> None:
+        """Abort everything, tell every listener, refuse new commands. Runs on the engine thread."""
+        with self._lock:
+            self._closed = True
+        with contextlib.suppress(Exception):
+            self._publish(self.engine.abort_request(list(self._sinks)))
+        dead = EngineDeadError(self._dead_message())
+        for sink, _ in self._sinks.values():
+            sink.put(dead)
+        self._sinks.clear()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                command = self._commands.get_nowait()
+                if isinstance(command, _Add):
+                    command.sink.put(dead)
+
+
+def _merge(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Fold a delta output into the cumulative output of its request (acc's lists are our own)."""
+    if acc is None:
+        acc = dataclasses.replace(delta, outputs=[])
+    by_index = {c.index: c for c in acc.outputs}
+    for c in delta.outputs:
+        prev = by_index.get(c.index)
+        if prev is None:
+            prev = by_index[c.index] = CompletionOutput(c.index, "", [], None)
+            acc.outputs.append(prev)
+        prev.text += c.text
+        prev.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            prev.logprobs = prev.logprobs or []
+            prev.logprobs.extend(c.logprobs)
+        if c.finish_reason is not None:
+            prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
+    acc.outputs.sort(key=lambda c: c.index)
+    acc.finished = delta.finished
+    acc.num_cached_tokens = delta.num_cached_tokens
+    acc.metrics = delta.metrics
+    return acc

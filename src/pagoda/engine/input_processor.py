@@ -1,0 +1,45 @@
+"""Turns a user prompt into validated token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+Prompt = str | Sequence[int]
+
+
+def tokenize_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: Prompt, vocab_size: int, max_model_len: int
+) -> tuple[str | None, list[int]]:
+    """Returns (prompt text or None, token ids). Raises ValueError naming what is wrong."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        text: str | None = prompt
+        token_ids = tokenizer(prompt)["input_ids"]
+    elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+        text = None
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        bad = next(
+            (
+                t
+                for t in token_ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size
+            ),
+            None,
+        )
+        if bad is not None or any(isinstance(t, bool) for t in token_ids):
+            raise ValueError(f"prompt token id {bad!r} is not an integer in [0, {vocab_size})")
+    else:
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not token_ids:
+        raise ValueError("the prompt tokenizes to no tokens")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(token_ids)} tokens, but max_model_len is {max_model_len} "
+            "(room is needed for at least one generated token)"
+        )
+    return text, token_ids

@@ -1,0 +1,108 @@
+"""The synchronous engine: input processing, the core loop, output processing."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from pagoda.config import EngineArgs
+from pagoda.engine.core import EngineCore
+from pagoda.engine.input_processor import Prompt, tokenize_prompt
+from pagoda.engine.output_processor import OutputProcessor, RequestGroup, _Completion
+from pagoda.outputs import RequestOutput
+from pagoda.request import Request
+from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer import OutputTextState, apply_chat_template, eos_token_ids, load_tokenizer
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.core = EngineCore(args)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, args.model)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.runner.vocab_size
+
+    # ---- requests --------------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[dict], **template_kwargs) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt=True, **template_kwargs)
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        stream: bool = False,
+    ) -> str:
+        """Validate and queue a request; raises ValueError naming the problem. Returns its id."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.output_processor.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, prompt_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
+        params = dataclasses.replace(params, _eos_token_ids=self.eos_token_ids)
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        children: list[Request] = []
+        for i, cid in enumerate(child_ids):
+            child_params = params
+            if params.seed is not None and i > 0:
+                child_params = dataclasses.replace(params, seed=params.seed + i)
+            children.append(
+                Request(
+                    cid,
+                    prompt_ids,
+                    child_params,
+                    max_tokens=max_tokens,
+                    cache_salt=cache_salt,
+                    fork_source=children[0] if i > 0 else None,
+                )
+            )
+        completions = [
+            _Completion(i, OutputTextState.from_sampling_params(self.tokenizer, prompt_ids, params))
+            for i in range(params.n)
+        ]
+        self.output_processor.add(RequestGroup(request_id, text, prompt_ids, completions, child_ids, stream))
+        for child in children:
+            self.core.add_request(child)
+        return request_id
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort requests (by user request id); returns their final outputs."""
+        child_ids = []
+        for rid in request_ids:
+            group = self.output_processor.groups.get(rid)
+            if group is not None:
+                child_ids.extend(group.child_ids)
+        finished = self.core.abort_requests(child_ids)
+        outputs, _ = self.output_processor.process([], finished)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output_processor.groups)
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        step = self.core.step()
+        outputs, stopped = self.output_processor.process(step, [])
+        if stopped:
+            finished = self.core.scheduler.finish_requests(stopped, "stop")
+            more, _ = self.output_processor.process([], finished)
+            outputs.extend(more)
+        return outputs
+
+    def reset_prefix_cache(self) -> int:
+        return self.core.reset_prefix_cache()

@@ -1,0 +1,91 @@
+"""The offline API: `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagoda.config import EngineArgs
+from pagoda.engine.input_processor import Prompt
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+Messages = list[dict]
+
+
+class LLM:
+    """An engine for offline batch inference. Keyword arguments are those of `EngineArgs`."""
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions; outputs come back in the order of `prompts`. A prompt is a
+        string or a list of token ids."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _broadcast(sampling_params, len(prompts))
+        return self._run(prompts, params, use_tqdm, cache_salt)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        cache_salt: str | None = None,
+        **chat_template_kwargs,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (lists of {role, content})."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.chat_prompt(conv, **chat_template_kwargs) for conv in conversations]
+        return self._run(prompts, _broadcast(sampling_params, len(prompts)), use_tqdm, cache_salt)
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()
+
+    def _run(self, prompts, params, use_tqdm, cache_salt) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(engine.add_request(None, prompt, p, cache_salt=cache_salt))
+        except ValueError:
+            engine.abort_request(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        show = len(ids) > 1 if use_tqdm is None else use_tqdm
+        with tqdm(total=len(ids), desc="Generating", disable=not show) as bar:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[i] for i in ids]
+
+
+def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

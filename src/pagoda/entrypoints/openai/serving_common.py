@@ -1,0 +1,171 @@
+"""What the completion and chat handlers share: the server state, request admission, client
+disconnects, SSE framing, usage and token texts for logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagoda.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
+from pagoda.engine.input_processor import tokenize_prompt
+from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.metrics import ServerMetrics
+from pagoda.entrypoints.openai.protocol import ParamError, PromptTokensDetails, Usage
+from pagoda.outputs import Logprob, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    metrics: ServerMetrics
+    model_names: list[str]  # the names clients may ask for; the first is reported back
+    model_path: str
+    api_key: str | None = None
+    _token_texts: dict[int, str] = field(default_factory=dict)
+
+    def resolve_model(self, name: str | None) -> str:
+        if name is None or name in self.model_names:
+            return name or self.model_names[0]
+        raise APIError(
+            f"the model {name!r} does not exist; this server serves {', '.join(map(repr, self.model_names))}",
+            404,
+            param="model",
+            code="model_not_found",
+        )
+
+    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """Validated prompt token ids; a 400 naming the problem (empty, bad ids, too long)."""
+        engine = self.engine
+        try:
+            _, ids = tokenize_prompt(engine.tokenizer, prompt, engine.vocab_size, engine.max_model_len)
+        except ValueError as exc:
+            raise APIError(str(exc), param=param) from None
+        return ids
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str = "max_tokens") -> None:
+        """The prompt plus max_tokens must fit the context: never truncated silently (as in vLLM)."""
+        limit = self.engine.max_model_len
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise APIError(
+                f"this model's maximum context length is {limit} tokens, but {num_prompt_tokens + max_tokens} "
+                f"were requested ({num_prompt_tokens} in the prompt, {max_tokens} to generate); "
+                f"shorten the prompt or lower {param}",
+                param=param,
+            )
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    async def start(
+        self,
+        request_ids: Sequence[str],
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None,
+        stream: bool,
+    ) -> RequestStream:
+        try:
+            return await self.engine.add_requests(
+                request_ids, prompts, params, cache_salt=cache_salt, stream=stream
+            )
+        except EngineOverloadedError as exc:
+            raise APIError(str(exc), 503, code="server_overloaded") from None
+        except EngineDeadError as exc:
+            raise APIError(str(exc), 503, code="engine_unavailable") from None
+        except ValueError as exc:
+            raise APIError(str(exc), param=getattr(exc, "param", None)) from None
+
+
+def param_error(exc: ParamError) -> APIError:
+    return APIError(str(exc), param=exc.param)
+
+
+def make_usage(num_prompt: int, num_completion: int, num_cached: int) -> Usage:
+    return Usage(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_completion,
+        total_tokens=num_prompt + num_completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+    )
+
+
+def top_entries(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    """The top-n tokens of one position, best first (the sampled token is listed first in `entry`
+    whatever its rank, so it is filtered by rank like any other)."""
+    ranked = [(tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= n]
+    return sorted(ranked, key=lambda item: item[1].rank)[:n]
+
+
+# ---- streaming and disconnects ----------------------------------------------------------------------
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class StreamResponse(StreamingResponse):
+    """An SSE response that aborts its requests however it ends (done, client gone, cancelled),
+    even when the body iterator never started."""
+
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.abort()
+
+
+async def _client_gone(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
+    """Await `work`, cancelling it if the client disconnects first (then returns an empty 499)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+async def collect(stream: RequestStream) -> list[RequestOutput]:
+    """The final output of every request of a non-streamed RequestStream."""
+    return [out async for out in stream]
+
+
+def error_event(exc: Exception) -> str:
+    """An error in the middle of a stream, as an SSE event (the status line is already sent)."""
+    status = 503 if isinstance(exc, EngineDeadError) else 500
+    return sse(json.dumps(APIError(str(exc), status).body()))

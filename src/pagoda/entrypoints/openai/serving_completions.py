@@ -1,0 +1,170 @@
+"""POST /v1/completions: one or more prompts, n samples each, streamed as SSE or returned whole."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagoda.engine.async_engine import RequestStream
+from pagoda.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ParamError,
+    new_id,
+    now_s,
+)
+from pagoda.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ServerState,
+    StreamResponse,
+    collect,
+    error_event,
+    make_usage,
+    param_error,
+    sse,
+    top_entries,
+    unless_disconnected,
+)
+from pagoda.outputs import CompletionOutput, Logprob
+
+
+@dataclass
+class _Choice:
+    """Per-choice state of a stream: the echoed prompt still to send, the logprob text offset."""
+
+    echo: str
+    offset: int = 0
+    num_tokens: int = 0
+
+
+async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
+    try:
+        body.check()
+        model = state.resolve_model(body.model)
+        prompts = body.prompts()
+        params = body.sampling_params(state.engine.vocab_size, body.max_tokens, body.logprobs)
+    except ParamError as exc:
+        raise param_error(exc) from None
+    prompt_ids = [state.tokenize(p) for p in prompts]
+    for ids in prompt_ids:
+        state.check_length(len(ids), params.max_tokens)
+    echoes = [(p if isinstance(p, str) else state.decode(p)) if body.echo else "" for p in prompts]
+    base_id = new_id("cmpl")
+    request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+    stream = await state.start(
+        request_ids, prompt_ids, params, cache_salt=body.cache_salt, stream=bool(body.stream)
+    )
+    index_of = {rid: i for i, rid in enumerate(request_ids)}
+    if body.stream:
+        num_prompt = sum(map(len, prompt_ids))
+        events = _stream(state, body, stream, model, base_id, index_of, echoes, num_prompt)
+        return StreamResponse(events, stream)
+    try:
+        result = await unless_disconnected(raw, collect(stream))
+    finally:
+        stream.abort()
+    if isinstance(result, Response):
+        return result
+    choices = []
+    num_completion = num_cached = 0
+    for out in sorted(result, key=lambda o: index_of[o.request_id]):
+        p = index_of[out.request_id]
+        num_cached += out.num_cached_tokens
+        for c in out.outputs:
+            num_completion += len(c.token_ids)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs, _ = _logprobs(state, c, body.logprobs, 0)
+            choices.append(
+                CompletionChoice(
+                    index=p * params.n + c.index,
+                    text=echoes[p] + c.text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+    choices.sort(key=lambda c: c.index)
+    usage = make_usage(sum(map(len, prompt_ids)), num_completion, num_cached)
+    return CompletionResponse(id=base_id, created=now_s(), model=model, choices=choices, usage=usage)
+
+
+async def _stream(
+    state: ServerState,
+    body: CompletionRequest,
+    stream: RequestStream,
+    model: str,
+    base_id: str,
+    index_of: dict[str, int],
+    echoes: list[str],
+    num_prompt: int,
+) -> AsyncIterator[str]:
+    n = body.n
+    created = now_s()
+    opts = body.stream_options
+    include_usage = opts is not None and opts.include_usage
+    continuous = include_usage and opts is not None and opts.continuous_usage_stats
+    choices = {p * n + i: _Choice(echoes[p]) for p in range(len(echoes)) for i in range(n)}
+    cached: dict[str, int] = {}  # request id -> prompt tokens served by the prefix cache
+    try:
+        async for out in stream:
+            cached[out.request_id] = out.num_cached_tokens
+            for c in out.outputs:
+                index = index_of[out.request_id] * n + c.index
+                state_c = choices[index]
+                state_c.num_tokens += len(c.token_ids)
+                text, state_c.echo = state_c.echo + c.text, ""
+                if not (text or c.token_ids or c.finish_reason):
+                    continue
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs, state_c.offset = _logprobs(state, c, body.logprobs, state_c.offset)
+                chunk = CompletionResponse(
+                    id=base_id,
+                    created=created,
+                    model=model,
+                    choices=[
+                        CompletionChoice(
+                            index=index,
+                            text=text,
+                            logprobs=logprobs,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                    ],
+                )
+                if continuous:
+                    num_completion = sum(ch.num_tokens for ch in choices.values())
+                    chunk.usage = make_usage(num_prompt, num_completion, sum(cached.values()))
+                yield sse(chunk.model_dump_json(exclude=None if include_usage else {"usage"}))
+        if include_usage:
+            num_completion = sum(ch.num_tokens for ch in choices.values())
+            usage = make_usage(num_prompt, num_completion, sum(cached.values()))
+            final = CompletionResponse(id=base_id, created=created, model=model, choices=[], usage=usage)
+            yield sse(final.model_dump_json())
+    except Exception as exc:
+        yield error_event(exc)
+    yield SSE_DONE
+
+
+def _logprobs(
+    state: ServerState, c: CompletionOutput, num: int, offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """OpenAI's legacy logprobs for the tokens of `c`, text offsets starting at `offset`."""
+    result = CompletionLogprobs()
+    entries: list[dict[int, Logprob]] = c.logprobs or []
+    for token_id, entry in zip(c.token_ids, entries, strict=False):
+        text = state.token_text(token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(entry[token_id].logprob)
+        top = {state.token_text(t): lp.logprob for t, lp in top_entries(entry, num)}
+        top.setdefault(text, entry[token_id].logprob)
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result, offset

@@ -1,0 +1,351 @@
+"""`pagoda serve`, `pagoda generate` and `pagoda chat`. Only argparse is imported at module level, so
+`pagoda --help` stays fast; the handlers import the engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# Flags that map one to one onto EngineArgs fields (the dest is the field name).
+_ENGINE_FIELDS = (
+    "tokenizer",
+    "dtype",
+    "device",
+    "seed",
+    "block_size",
+    "num_kv_blocks",
+    "kv_cache_memory_gb",
+    "enable_prefix_caching",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "scheduling_policy",
+    "enable_jump_forward",
+)
+
+
+def register(subparsers: Any) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /tokenize, /detokenize, /health, /metrics).",
+    )
+    _add_model_arg(serve)
+    group = serve.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $PAGODA_API_KEY)",
+    )
+    group.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
+    group.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 while this many requests wait to be scheduled (default: no limit)",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may run on after SIGINT/SIGTERM before they are aborted (30)",
+    )
+    group.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
+    group.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="start N engine processes on ports PORT+1.. and a router on PORT in front of them",
+    )
+    _add_engine_args(serve)
+    serve.set_defaults(func=_run_serve)
+
+    generate = subparsers.add_parser(
+        "generate",
+        help="complete one prompt in-process, streaming to the terminal",
+        description="Complete PROMPT with MODEL in this process (no server) and stream the text to stdout.",
+    )
+    _add_model_arg(generate)
+    generate.add_argument("prompt", help="the text to complete")
+    _add_sampling_args(generate, max_tokens=128)
+    _add_engine_args(generate)
+    generate.set_defaults(func=_run_generate)
+
+    chat = subparsers.add_parser(
+        "chat",
+        help="interactive chat in the terminal, in-process",
+        description="Chat with MODEL in the terminal (its chat template, history kept); /exit to leave, "
+        "/clear to forget the history.",
+    )
+    _add_model_arg(chat)
+    chat.add_argument("--system", default=None, help="a system message to start the conversation with")
+    _add_sampling_args(chat, max_tokens=512)
+    _add_engine_args(chat)
+    chat.set_defaults(func=_run_chat)
+
+
+def _add_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", nargs="?", default=None, help="Hugging Face model folder (default: the built-in demo model)"
+    )
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    from_defaults = _engine_defaults()
+    group = parser.add_argument_group("engine")
+    group.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL)")
+    group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default auto)")
+    group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    group.add_argument("--seed", type=int, default=from_defaults["seed"], help="engine random seed (0)")
+    group.add_argument(
+        "--block-size", type=int, default=from_defaults["block_size"], help="tokens per KV block (16)"
+    )
+    group.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks to allocate (wins over --kv-cache-memory-gb)",
+    )
+    group.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=from_defaults["kv_cache_memory_gb"],
+        help="memory for the KV cache, GiB (1.0)",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of shared prompt prefixes (default on)",
+    )
+    group.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's maximum)"
+    )
+    group.add_argument(
+        "--max-num-seqs", type=int, default=from_defaults["max_num_seqs"], help="sequences per step (256)"
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=from_defaults["max_num_batched_tokens"],
+        help="tokens per step (2048)",
+    )
+    group.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "lpm"),
+        default="lpm",
+        help="fcfs or longest-prefix-match (lpm)",
+    )
+    group.add_argument(
+        "--enable-jump-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="structured output: emit forced tokens without a forward pass (default on)",
+    )
+
+
+def _engine_defaults() -> dict[str, Any]:
+    # EngineArgs imports torch; the few numeric defaults are repeated here and checked by a test.
+    return {
+        "seed": 0,
+        "block_size": 16,
+        "kv_cache_memory_gb": 1.0,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 2048,
+    }
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help=f"tokens to generate at most ({max_tokens})"
+    )
+    group.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
+    group.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (0.95)")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0: all (0)")
+    group.add_argument(
+        "--sampling-seed", type=int, default=None, help="seed of the sampler, for reproducible text"
+    )
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+# ---- shared helpers ---------------------------------------------------------------------------------
+def _fail(command: str, message: str) -> int:
+    print(f"pagoda {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _resolve_model(args: argparse.Namespace) -> str:
+    if args.model is not None:
+        return args.model
+    from pagoda.assets import default_model_path
+
+    path = str(default_model_path())
+    print(f"pagoda: no model given; using the built-in demo model ({path})", file=sys.stderr)
+    return path
+
+
+def _engine_args(args: argparse.Namespace, model: str):
+    from pagoda.config import EngineArgs
+
+    return EngineArgs(model=model, **{name: getattr(args, name) for name in _ENGINE_FIELDS})
+
+
+def _sampling_params(args: argparse.Namespace):
+    from pagoda.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        stop=args.stop,
+    )
+
+
+def _configure_logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# ---- serve ------------------------------------------------------------------------------------------
+def _run_serve(args: argparse.Namespace) -> int:
+    try:
+        model = _resolve_model(args)
+        engine_args = _engine_args(args, model)
+        from pagoda.entrypoints.openai.app import ServerConfig
+
+        config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+            max_waiting_requests=args.max_waiting_requests,
+            shutdown_timeout_s=args.shutdown_timeout,
+            log_level=args.log_level,
+        )
+    except (ValueError, ImportError) as exc:
+        return _fail("serve", str(exc))
+    _configure_logging(args.log_level)
+    if args.replicas is not None:
+        return _launch_replicas(args, model, config)
+    from pagoda.entrypoints.openai.app import run_server
+
+    try:
+        return run_server(engine_args, config)
+    except ValueError as exc:  # e.g. a model folder that does not load
+        return _fail("serve", str(exc))
+
+
+def _launch_replicas(args: argparse.Namespace, model: str, config: Any) -> int:
+    from pagoda.router.launch import launch_replicas
+
+    if args.replicas < 1:
+        return _fail("serve", f"--replicas must be >= 1, got {args.replicas}")
+    api_key = config.resolved_api_key()
+    try:
+        return launch_replicas(
+            [model, *_replica_flags(args)],
+            replicas=args.replicas,
+            base_port=args.port + 1,
+            router_host=args.host,
+            router_port=args.port,
+            router_overrides={"api_key": api_key} if api_key else None,
+            log_level=args.log_level,
+        )
+    except ValueError as exc:
+        return _fail("serve", str(exc))
+
+
+def _replica_flags(args: argparse.Namespace) -> list[str]:
+    """`pagoda serve` flags that give each replica this command's engine settings (the router in
+    front checks the API key; the replicas listen on loopback ports without one)."""
+    flags: list[str] = []
+    names = [*_ENGINE_FIELDS, "served_model_name", "max_waiting_requests", "shutdown_timeout", "log_level"]
+    for name in names:
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+# ---- generate and chat (in-process) -----------------------------------------------------------------
+def _load_engine(command: str, args: argparse.Namespace):
+    """(engine, params) or raises SystemExit with a one-line error."""
+    try:
+        model = _resolve_model(args)
+        params = _sampling_params(args)
+        from pagoda.engine.llm_engine import LLMEngine
+
+        return LLMEngine(_engine_args(args, model)), params
+    except (ValueError, ImportError) as exc:
+        raise SystemExit(_fail(command, str(exc))) from None
+
+
+def _stream_reply(engine, prompt, params) -> str:
+    """Generate for one prompt, printing the text as it comes; returns the whole text. Ctrl-C aborts."""
+    request_id = engine.add_request(None, prompt, params, stream=True)
+    pieces: list[str] = []
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    pieces.append(c.text)
+                    sys.stdout.write(c.text)
+                    sys.stdout.flush()
+    except KeyboardInterrupt:
+        engine.abort_request([request_id])
+        sys.stdout.write(" [interrupted]")
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(pieces)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    engine, params = _load_engine("generate", args)
+    try:
+        _stream_reply(engine, args.prompt, params)
+    except ValueError as exc:
+        return _fail("generate", str(exc))
+    return 0
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    engine, params = _load_engine("chat", args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, str]] = list(system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("Chatting with the model; /exit to leave, /clear to forget the history.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        text = line.strip()
+        if text in ("/exit", "/bye", "/quit"):
+            return 0
+        if text == "/clear":
+            history = list(system)
+            continue
+        if not text:
+            continue
+        turn = [*history, {"role": "user", "content": text}]
+        try:
+            prompt = engine.chat_prompt(turn)
+            reply = _stream_reply(engine, prompt, params)
+        except ValueError as exc:
+            print(f"error: {exc} (/clear forgets the history)", file=sys.stderr)
+            continue
+        history = [*turn, {"role": "assistant", "content": reply}]

@@ -1,0 +1,181 @@
+"""One pre-norm decoder shared by the Llama, Mistral, Qwen2 and Qwen3 families.
+
+Family differences are config flags (`ModelArchConfig`): q/k/v and o biases, MLP bias,
+per-head q/k RMSNorm (Qwen3), per-layer sliding windows, tied embeddings, rope scaling.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from pagoda.attention.backend import AttentionBackend
+from pagoda.attention.metadata import AttentionMetadata
+from pagoda.layers.activation import SiluAndMul
+from pagoda.layers.attention import Attention
+from pagoda.layers.embedding import LMHead, VocabEmbedding
+from pagoda.layers.linear import Linear, PackedLinear, ShardId
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
+from pagoda.models.base import CausalLM
+from pagoda.models.config import ModelArchConfig
+
+
+class DecoderAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        layer_index: int,
+        attn_backend: type[AttentionBackend],
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.qkv_proj = PackedLinear(
+            config.hidden_size,
+            [("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)],
+            bias=config.qkv_bias,
+            dtype=dtype,
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.attn = Attention(
+            attn_backend,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            scale=self.head_dim**-0.5,
+            sliding_window=config.layer_sliding_windows[layer_index],
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        if self.qk_norm:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)), cos, sin)
+            k = apply_rotary(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        else:
+            # Queries and keys share one rotation pass.
+            qk = qkv[:, : self.q_size + self.kv_size].view(
+                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.attn(q, k, v, attn_metadata)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = PackedLinear(config.hidden_size, [(0, size), (1, size)], config.mlp_bias, dtype)
+        self.act = SiluAndMul()
+        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        layer_index: int,
+        attn_backend: type[AttentionBackend],
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, layer_index, attn_backend, dtype)
+        self.mlp = DecoderMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns `(mlp_output, residual)`; the caller adds them (fused into the next norm)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, attn_metadata)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(
+        self, config: ModelArchConfig, attn_backend: type[AttentionBackend], dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, index, attn_backend, dtype) for index in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        cos, sin = self.rotary_emb(positions)
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, attn_metadata)
+        hidden, _ = self.norm.add_and_norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(CausalLM):
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, ShardId]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(
+        self, config: ModelArchConfig, attn_backend: type[AttentionBackend], dtype: torch.dtype
+    ) -> None:
+        super().__init__(config, attn_backend)
+        self.model = DecoderModel(config, attn_backend, dtype)
+        self.lm_head = LMHead(
+            config.vocab_size,
+            config.hidden_size,
+            dtype,
+            tied_weight=self.model.embed_tokens.weight if config.tie_word_embeddings else None,
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

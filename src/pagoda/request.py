@@ -1,0 +1,97 @@
+"""A request as the engine core sees it: one sequence of token ids and how far its KV is computed."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from pagoda.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """One sequence. A prompt with n > 1 becomes n Requests that share its prompt blocks.
+
+    The scheduling currency is `num_computed_tokens`: every step the scheduler lets it catch up
+    with `num_tokens`. Prefill, chunked prefill, a prefix-cache hit, a fork of a sibling and a
+    recompute after preemption are all the same rule.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        max_tokens: int,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        fork_source: Request | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then generated tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.stop_token_ids = params.all_stop_token_ids
+        self.generator: torch.Generator | None = None  # set by the engine core for seeded requests
+
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        # KV blocks holding this sequence's tokens in order; the request owns one reference on each.
+        self.block_ids: list[int] = []
+        self.num_cached_tokens = -1  # prompt tokens served by the prefix cache, set on first schedule
+        self.num_preemptions = 0
+        self.skips = 0  # times passed over by the longest-prefix-match policy
+        # n > 1: a sibling whose prompt KV this request copies instead of computing it again.
+        self.fork_source = fork_source
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.grammar = None  # structured-output matcher state, owned by the engine core
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """After a token was appended: set the finish reason if generation must end here."""
+        last = self.token_ids[-1]
+        if self.num_output_tokens >= self.params.min_tokens and last in self.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", last
+        elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )

@@ -1,0 +1,14 @@
+"""Batched sampling: penalties → grammar mask → temperature → top-k / top-p / min-p → seeded draw → logprobs."""
+
+from pagoda.sample.logprobs import LogprobsTensors
+from pagoda.sample.metadata import SamplingMetadata, SamplingRow, make_generator
+from pagoda.sample.sampler import Sampler, SamplerOutput
+
+__all__ = [
+    "LogprobsTensors",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "SamplingRow",
+    "make_generator",
+]

@@ -1,0 +1,55 @@
+"""Logprobs of the raw model distribution for the rows that asked for them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.outputs import Logprob
+
+
+@dataclass(frozen=True)
+class LogprobsTensors:
+    """Column 0 is the sampled token; columns 1..K the top-K tokens by descending logprob, where
+    K is the largest N asked in the batch (a row that asked for N < K uses columns 1..N only)."""
+
+    row_indices: torch.Tensor  # [L] int64: the batch rows these belong to, ascending
+    token_ids: torch.Tensor  # [L, 1 + K] int64
+    logprobs: torch.Tensor  # [L, 1 + K] float32
+    sampled_token_ranks: torch.Tensor  # [L] int64: 1 + the number of tokens with a larger logprob
+    num_logprobs: tuple[int, ...]  # N for each row
+
+    def to_dicts(self) -> dict[int, dict[int, Logprob]]:
+        """For each batch row: the sampled token (with its rank) then its top-N tokens (ranks 1..N)."""
+        rows = self.row_indices.tolist()
+        token_ids = self.token_ids.tolist()
+        logprobs = self.logprobs.tolist()
+        ranks = self.sampled_token_ranks.tolist()
+        result: dict[int, dict[int, Logprob]] = {}
+        for i, (row, n) in enumerate(zip(rows, self.num_logprobs, strict=True)):
+            entry = {token_ids[i][0]: Logprob(logprobs[i][0], rank=ranks[i])}
+            for j in range(1, n + 1):
+                entry.setdefault(token_ids[i][j], Logprob(logprobs[i][j], rank=j))
+            result[row] = entry
+        return result
+
+
+def gather_logprobs(
+    raw_logprobs: torch.Tensor,
+    sampled: torch.Tensor,
+    row_indices: torch.Tensor,
+    num_logprobs: tuple[int, ...],
+) -> LogprobsTensors:
+    """raw_logprobs: [L, V] log_softmax of the unprocessed logits; sampled: [L] the chosen tokens."""
+    sampled = sampled.unsqueeze(1)
+    sampled_logprobs = raw_logprobs.gather(1, sampled)
+    ranks = (raw_logprobs > sampled_logprobs).sum(dim=-1) + 1
+    top = raw_logprobs.topk(max(num_logprobs, default=0), dim=-1)
+    return LogprobsTensors(
+        row_indices=row_indices,
+        token_ids=torch.cat([sampled, top.indices], dim=1),
+        logprobs=torch.cat([sampled_logprobs, top.values], dim=1),
+        sampled_token_ranks=ranks,
+        num_logprobs=num_logprobs,
+    )

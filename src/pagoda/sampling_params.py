@@ -1,0 +1,139 @@
+"""User-facing sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Constraints on the output: exactly one of the fields must be set (names as in vLLM)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name, value in (
+                ("json", self.json),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError(
+                f"StructuredOutputs needs exactly one of json, regex, choice, grammar, json_object; got {given or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one prompt's completions. Field names and defaults follow vLLM."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # Internal: tokens that end generation in addition to stop_token_ids (the model's EOS ids).
+    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        check(
+            isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
+            f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
+        )
+        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            f"min_tokens must be >= 0, got {self.min_tokens!r}",
+        )
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+        )
+        check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
+        )
+        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", [self.stop])
+        if self.stop is not None:
+            check(
+                all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"
+            )
+        if self.stop_token_ids is not None:
+            check(
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids must be a list of non-negative integers",
+            )
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                check(isinstance(tok, int) and tok >= 0, f"logit_bias keys must be token ids, got {tok!r}")
+                check(-100.0 <= bias <= 100.0, f"logit_bias values must be in [-100, 100], got {bias}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def all_stop_token_ids(self) -> frozenset[int]:
+        ids = set(self.stop_token_ids or ())
+        if not self.ignore_eos:
+            ids.update(self._eos_token_ids)
+        return frozenset(ids)

@@ -1,0 +1,203 @@
+"""Token-budget scheduler: running requests first, then waiting ones; chunked prefill; recompute
+preemption. One rule for everything: each step, num_computed_tokens catches up with num_tokens as
+far as the token budget, max_num_seqs and the KV pool allow."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagoda.cache.kv_manager import KVCacheManager
+from pagoda.config import SchedulerConfig
+from pagoda.request import Request, RequestStatus
+
+# Above this many waiting requests, longest-prefix-match ordering costs more than it saves.
+_LPM_MAX_QUEUE = 128
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True if this step computes the request's last known token, so a new one is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_finished: int = 0
+    num_computed_tokens: int = 0  # tokens run through the model (prompt, recompute and decode)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # ---- queue management ------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], reason: str) -> list[Request]:
+        """Finish requests from outside the step (abort, stop string); frees their blocks now."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.finish_reason = req.finish_reason or reason
+            self._finish(req)
+            done.append(req)
+        return done
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- schedule --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_more(req, num_new):
+                victim = self.running.pop()  # the newest running request yields its blocks
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                scheduled_ids.add(req.request_id)
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        if not out.preempted:
+            self._schedule_waiting(out, budget, scheduled_ids)
+        out.block_copies = self.kv.take_copies()
+        self.stats.num_computed_tokens += out.num_tokens
+        return out
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, scheduled_ids: set[str]) -> None:
+        queue = self._waiting_order()
+        started: list[Request] = []
+        for req in queue:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            src = req.fork_source
+            if src is not None:
+                if src.is_finished:
+                    req.fork_source = None
+                elif src.status is not RequestStatus.RUNNING or src.num_computed_tokens < req.num_tokens - 1:
+                    continue  # n > 1: wait until the sibling has computed the shared prompt
+            num_new = self.kv.allocate_first(req, budget)
+            if num_new == 0:
+                break  # the pool is full: later requests would not fit either
+            req.fork_source = None
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            started.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            scheduled_ids.add(req.request_id)
+            budget -= num_new
+        for req in started:
+            self.waiting.remove(req)
+        if started and self.config.policy == "lpm":
+            last_arrival = max(r.arrival_time for r in started)
+            for req in self.waiting:
+                if req.arrival_time < last_arrival:
+                    req.skips += 1
+
+    def _waiting_order(self) -> list[Request]:
+        """FCFS, or longest cached prefix first (with starving requests served first)."""
+        if (
+            self.config.policy == "fcfs"
+            or self.kv.radix is None
+            or not 1 < len(self.waiting) <= _LPM_MAX_QUEUE
+        ):
+            return list(self.waiting)
+        starving = [r for r in self.waiting if r.skips >= self.config.max_skips]
+        rest = [r for r in self.waiting if r.skips < self.config.max_skips]
+        rest.sort(key=lambda r: -self.kv.cached_prefix_len(r))  # stable: FCFS among equals
+        return starving + rest
+
+    # ---- update ----------------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens (one, or more after a jump-forward),
+        finish requests. Returns the requests that got new tokens or finished."""
+        changed = []
+        max_len = self.config.max_model_len
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            tokens = sampled.get(req.request_id)
+            if tokens is None:
+                self.kv.cache_computed(req)
+                continue
+            for tok in tokens:
+                req.append_token(tok)
+                if req.check_stop(max_len):
+                    break
+            if req.finish_reason is not None:
+                self.running.remove(req)
+                self._finish(req)
+            else:
+                self.kv.cache_computed(req)
+            changed.append(req)
+        return changed
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)  # its computed full blocks stay cached, so it finds them when it resumes
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _finish(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        self.stats.num_finished += 1
+        del self.requests[req.request_id]
+
+    def check(self) -> None:
+        """Invariants: block accounting over every live request."""
+        self.kv.check(self.running)
+        for req in self.waiting:
+            if req.block_ids:
+                raise AssertionError(f"waiting request {req.request_id} holds KV blocks")

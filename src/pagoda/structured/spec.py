@@ -1,0 +1,64 @@
+"""Backend-independent handling of a StructuredOutputs spec: validation, cache key, choice → grammar."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+
+from pagoda.sampling_params import StructuredOutputs
+
+# A compile cache key: (kind, canonical text of the spec).
+SpecKey = tuple[str, str]
+
+
+def parse_json_schema(schema: dict[str, Any] | str) -> dict[str, Any]:
+    """The schema as a dict, checked against its JSON Schema metaschema (latest draft unless $schema says)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(
+            f"structured_outputs.json must be a JSON object (a schema), got {type(schema).__name__}"
+        )
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+        raise ValueError(
+            f"structured_outputs.json is not a valid JSON schema at {where}: {e.message}"
+        ) from None
+    return schema
+
+
+def spec_key(spec: StructuredOutputs) -> SpecKey:
+    """Cache key: equal for specs that compile to the same grammar (e.g. dict schemas up to key order)."""
+    kind = spec.kind
+    if spec.json is not None:
+        canonical = json.dumps(parse_json_schema(spec.json), sort_keys=True, separators=(",", ":"))
+    elif spec.choice is not None:
+        canonical = json.dumps(list(spec.choice), ensure_ascii=False)
+    elif kind in ("regex", "grammar"):
+        canonical = getattr(spec, kind)
+        if not isinstance(canonical, str):
+            raise ValueError(f"structured_outputs.{kind} must be a string, got {type(canonical).__name__}")
+    else:
+        canonical = ""
+    return kind, canonical
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar matching exactly one of ``choices``.
+
+    ``json.dumps(ensure_ascii=False)`` escapes exactly what an EBNF string literal needs (quote, backslash,
+    control characters) and keeps other characters raw (``\\uXXXX`` surrogate pairs would break emoji).
+    """
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def is_ebnf(grammar: str) -> bool:
+    """EBNF (GBNF) rules use ``::=``; anything else is taken as Lark syntax, as vLLM accepts both."""
+    return "::=" in grammar

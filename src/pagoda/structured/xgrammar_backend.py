@@ -1,0 +1,213 @@
+"""Grammar backend on xgrammar: compile specs, one matcher per sequence, batched bitmask fill."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerBase
+
+from pagoda.sampling_params import StructuredOutputs
+from pagoda.structured.spec import choice_grammar, is_ebnf, parse_json_schema
+
+# xgrammar errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes "Check failed: (...) is false: ".
+_XGR_ERROR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
+
+
+# xgrammar 0.2.9 writes the characters of length-limited JSON strings (minLength / maxLength) as this
+# class, which lets raw control characters (tab, 0x00-0x1f) into a string: invalid JSON. We swap in the
+# class its unlimited strings use, minus escapes, which it does not allow there either.
+_LOOSE_JSON_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+
+
+def _json_schema_grammar(schema: dict, any_whitespace: bool, strict_mode: bool) -> xgr.Grammar:
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=strict_mode)
+    ebnf = str(grammar)
+    if _LOOSE_JSON_STRING_CHAR not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_JSON_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def _clean_error(error: Exception) -> str:
+    return _XGR_ERROR_PREFIX.sub("", str(error).strip()) or type(error).__name__
+
+
+class XGrammarMatcher:
+    """One sequence's grammar state, wrapping ``xgrammar.GrammarMatcher``."""
+
+    __slots__ = ("_matcher", "_num_accepted", "_stop_token_ids")
+
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: tuple[int, ...]) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._num_accepted = 0
+        self._stop_token_ids = stop_token_ids
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self._num_accepted
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._matcher.is_terminated() or not self._matcher.accept_token(token_id):
+            return False
+        self._num_accepted += 1
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._matcher.is_terminated():
+            self._fill_stop_only(bitmask, row)
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def _fill_stop_only(self, bitmask: torch.Tensor, row: int) -> None:
+        # xgrammar refuses to fill after the stop token; past the end only stop tokens stay allowed.
+        bitmask[row].zero_()
+        words = bitmask[row].numpy().view(np.uint32)
+        for token_id in self._stop_token_ids:
+            words[token_id // 32] |= np.uint32(1 << (token_id % 32))
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        if not isinstance(num_tokens, int) or not 0 <= num_tokens <= self._num_accepted:
+            raise ValueError(
+                f"cannot roll back {num_tokens!r} tokens: the matcher has accepted {self._num_accepted}"
+            )
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+            self._num_accepted -= num_tokens
+
+    def jump_forward_string(self) -> str:
+        if self._matcher.is_terminated():
+            return ""
+        return self._matcher.find_jump_forward_string()
+
+    def reset(self) -> None:
+        self._matcher.reset()
+        self._num_accepted = 0
+
+
+class XGrammarCompiled:
+    """A compiled grammar; immutable, shared by all matchers of the requests that use the same spec."""
+
+    __slots__ = ("_compiled", "_stop_token_ids")
+
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: tuple[int, ...]) -> None:
+        self._compiled = compiled
+        self._stop_token_ids = stop_token_ids
+
+    @property
+    def memory_size_bytes(self) -> int:
+        return self._compiled.memory_size_bytes
+
+    def new_matcher(self) -> XGrammarMatcher:
+        return XGrammarMatcher(self._compiled, self._stop_token_ids)
+
+
+class XGrammarBackend:
+    """xgrammar behind the ``GrammarBackend`` interface.
+
+    ``vocab_size`` is the model's (lm_head rows); ids past the tokenizer's vocabulary are never allowed.
+    ``eos_token_ids`` are the stop tokens the grammar allows exactly where it may end (default: the
+    tokenizer's EOS). ``any_whitespace=False`` makes JSON schemas compact (no free whitespace between
+    tokens), which stops models from padding JSON with endless whitespace.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        vocab_size: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        any_whitespace: bool = True,
+        compile_threads: int = 1,
+        fill_threads: int = 1,
+    ) -> None:
+        if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size <= 0):
+            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+        if compile_threads < 1 or fill_threads < 1:
+            raise ValueError(
+                f"compile_threads and fill_threads must be >= 1, got {compile_threads} and {fill_threads}"
+            )
+        if eos_token_ids is None:
+            if tokenizer.eos_token_id is None:
+                raise ValueError("the tokenizer has no eos_token_id; pass eos_token_ids explicitly")
+            eos_token_ids = [tokenizer.eos_token_id]
+        stop = tuple(dict.fromkeys(eos_token_ids))
+        if not stop or any(not isinstance(t, int) or t < 0 for t in stop):
+            raise ValueError(f"eos_token_ids must be a non-empty list of token ids, got {list(stop)}")
+        self._info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop)
+        )
+        if any(not 0 <= t < self._info.vocab_size for t in stop):
+            raise ValueError(f"eos_token_ids {list(stop)} must lie in [0, {self._info.vocab_size})")
+        self._stop_token_ids = stop
+        self._any_whitespace = any_whitespace
+        # Our GrammarManager caches by canonical spec, so xgrammar's own cache would only duplicate memory.
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=compile_threads, cache_enabled=False)
+        self._batch_matcher = xgr.BatchGrammarMatcher(fill_threads) if fill_threads > 1 else None
+        unusable = set(self._info.special_token_ids) | set(stop)
+        self._token_bytes = tuple(
+            b"" if i in unusable else bytes(b) for i, b in enumerate(self._info.decoded_vocab)
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._info.vocab_size
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self._stop_token_ids
+
+    @property
+    def token_bytes(self) -> Sequence[bytes]:
+        return self._token_bytes
+
+    def compile(self, spec: StructuredOutputs) -> XGrammarCompiled:
+        kind = spec.kind
+        try:
+            if spec.json is not None:
+                schema = parse_json_schema(spec.json)
+                compiled = self._compiler.compile_grammar(
+                    _json_schema_grammar(schema, self._any_whitespace, strict_mode=True)
+                )
+            elif spec.regex is not None:
+                compiled = self._compiler.compile_regex(spec.regex)
+            elif spec.choice is not None:
+                compiled = self._compiler.compile_grammar(choice_grammar(spec.choice))
+            elif spec.grammar is not None:
+                if is_ebnf(spec.grammar):
+                    compiled = self._compiler.compile_grammar(spec.grammar)
+                else:
+                    kind = "grammar (read as Lark: it has no '::=' rules)"
+                    compiled = self._compiler.compile_lark(spec.grammar)
+            else:
+                # json_object: any JSON object (the builtin JSON grammar would also allow a top-level array).
+                compiled = self._compiler.compile_grammar(
+                    _json_schema_grammar({"type": "object"}, self._any_whitespace, strict_mode=False)
+                )
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"invalid structured_outputs.{kind}: {_clean_error(e)}") from None
+        return XGrammarCompiled(compiled, self._stop_token_ids)
+
+    def fill_bitmasks(
+        self, matchers: Sequence[XGrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]
+    ) -> None:
+        if len(matchers) != len(rows):
+            raise ValueError(f"got {len(matchers)} matchers for {len(rows)} bitmask rows")
+        if self._batch_matcher is None:
+            for matcher, row in zip(matchers, rows, strict=True):
+                matcher.fill_bitmask(bitmask, row)
+            return
+        live = [(m, r) for m, r in zip(matchers, rows, strict=True) if not m.is_terminated()]
+        for matcher, row in zip(matchers, rows, strict=True):
+            if matcher.is_terminated():
+                matcher.fill_bitmask(bitmask, row)
+        if live:
+            self._batch_matcher.batch_fill_next_token_bitmask(
+                [m._matcher for m, _ in live], bitmask, [r for _, r in live]
+            )

@@ -1,0 +1,59 @@
+"""Loading a model folder's Hugging Face tokenizer and its end-of-sequence ids."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """Loads the fast tokenizer saved in ``model_dir``, without network access."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"tokenizer folder {str(model_dir)!r} does not exist or is not a folder")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer in {str(model_dir)!r}: expected one of {', '.join(_TOKENIZER_FILES)}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # transformers raises many types (OSError, KeyError, ...) for a broken folder
+        raise ValueError(f"could not load a tokenizer from {str(model_dir)!r}: {exc}") from exc
+    if not getattr(tokenizer, "is_fast", False) or getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise ValueError(
+            f"the tokenizer in {str(model_dir)!r} is not a fast (tokenizers-backed) tokenizer; "
+            "save it with a tokenizer.json"
+        )
+    return tokenizer
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str | os.PathLike[str]) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json's ``eos_token_id`` (int or list), then the tokenizer's."""
+    ids: list[int] = []
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            config = json.loads(gen_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read {gen_path.name} in {str(model_dir)!r}: {exc}") from exc
+        if not isinstance(config, dict):
+            raise ValueError(f"{gen_path.name} in {str(model_dir)!r} must hold a JSON object")
+        value = config.get("eos_token_id")
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        for v in values:
+            if not _is_token_id(v):
+                raise ValueError(
+                    f"eos_token_id in {gen_path.name} must be a non-negative integer or a list of them, got {value!r}"
+                )
+            ids.append(v)
+    tok_eos = tokenizer.eos_token_id
+    if tok_eos is not None:
+        ids.append(tok_eos)
+    return tuple(dict.fromkeys(ids))
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,194 @@
+"""The scheduler and KV cache manager with a fake model: a token is a function of the sequence."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda.cache.kv_manager import KVCacheManager
+from pagoda.config import SchedulerConfig
+from pagoda.request import Request
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler.scheduler import Scheduler
+
+
+def fake_token(tokens: list[int]) -> int:
+    return (sum(tokens) * 31 + len(tokens)) % 97
+
+
+class FakeKV:
+    """Stands in for the model's KV: records which token each slot holds, so the test can check
+    that every computed position reads exactly its own sequence's tokens."""
+
+    def __init__(self, num_blocks: int, bs: int) -> None:
+        self.slots: dict[int, int] = {}
+        self.bs = bs
+
+    def run(self, sched, scheduler: Scheduler) -> dict[str, list[int]]:
+        for src, dst in sched.block_copies:
+            for off in range(self.bs):
+                if src * self.bs + off in self.slots:
+                    self.slots[dst * self.bs + off] = self.slots[src * self.bs + off]
+        sampled = {}
+        for s in sched.scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            for pos in range(start, start + s.num_new_tokens):
+                block = req.block_ids[pos // self.bs]
+                self.slots[block * self.bs + pos % self.bs] = req.token_ids[pos]
+            if s.samples:
+                end = start + s.num_new_tokens
+                # "attention": read the whole context back through the block table
+                ctx = [self.slots[req.block_ids[p // self.bs] * self.bs + p % self.bs] for p in range(end)]
+                assert ctx == req.token_ids[:end], f"{req.request_id} read a wrong KV slot"
+                sampled[req.request_id] = [fake_token(ctx)]
+        return sampled
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(fake_token(seq))
+    return seq[len(prompt) :]
+
+
+def run_all(scheduler: Scheduler, kv: FakeKV, reqs: list[Request], max_steps: int = 10_000) -> int:
+    for r in reqs:
+        scheduler.add_request(r)
+    steps = 0
+    while scheduler.num_unfinished:
+        sched = scheduler.schedule()
+        assert not sched.is_empty, "no progress"
+        assert sched.num_tokens <= scheduler.config.max_num_batched_tokens
+        assert len(scheduler.running) <= scheduler.config.max_num_seqs
+        scheduler.update_from_output(sched, kv.run(sched, scheduler))
+        scheduler.check()
+        steps += 1
+        assert steps < max_steps
+    return steps
+
+
+def make(num_blocks=64, bs=4, budget=32, max_seqs=8, caching=True, policy="fcfs"):
+    kvm = KVCacheManager(num_blocks, bs, caching)
+    sched = Scheduler(SchedulerConfig(max_seqs, budget, 512, policy), kvm)
+    return sched, FakeKV(num_blocks, bs), kvm
+
+
+def req(rid: str, prompt: list[int], max_tokens: int, **kw) -> Request:
+    return Request(
+        rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens), max_tokens=max_tokens, **kw
+    )
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("budget,num_blocks", [(8, 64), (32, 64), (32, 14), (5, 12)])
+def test_outputs_match_reference(caching, budget, num_blocks):
+    sched, kv, kvm = make(num_blocks=num_blocks, budget=budget, caching=caching)
+    prompts = [[(i * 7 + j) % 50 for j in range(3 + i * 3)] for i in range(10)]
+    prompts += [prompts[0] + [1, 2, 3], prompts[0][:8]]  # shared prefixes
+    reqs = [req(f"r{i}", p, 12) for i, p in enumerate(prompts)]
+    run_all(sched, kv, reqs)
+    for r, p in zip(reqs, prompts, strict=True):
+        assert r.output_token_ids == reference(p, 12), r.request_id
+        assert r.finish_reason == "length"
+    if num_blocks < 20:
+        assert sched.stats.num_preemptions > 0
+    kvm.reset_prefix_cache()
+    assert kvm.pool.num_free == num_blocks
+
+
+def test_prefix_hit_computes_only_the_tail():
+    sched, kv, kvm = make()
+    system = list(range(20))
+    run_all(sched, kv, [req("a", system + [1, 2], 4)])
+    b = req("b", system + [3, 4, 5], 4)
+    run_all(sched, kv, [b])
+    assert b.num_cached_tokens == 20  # five whole blocks of 4
+    assert b.output_token_ids == reference(system + [3, 4, 5], 4)
+    assert kvm.stats.hit_tokens >= 20
+
+
+def test_full_hit_recomputes_the_last_token_only_in_a_private_block():
+    sched, kv, _kvm = make()
+    prompt = list(range(16))
+    run_all(sched, kv, [req("a", prompt, 3)])
+    b = req("b", prompt, 3)
+    run_all(sched, kv, [b])
+    assert b.num_cached_tokens == 12  # the last block is recomputed, never written in place
+    assert b.output_token_ids == reference(prompt, 3)
+
+
+def test_n_samples_fork_the_prompt_once():
+    sched, kv, _kvm = make(caching=False)
+    prompt = list(range(10))
+    first = req("p-0", prompt, 5)
+    others = [req(f"p-{i}", prompt, 5, fork_source=first) for i in range(1, 4)]
+    computed = []
+    orig = kv.run
+
+    def counting_run(s, scheduler):
+        computed.append(s.num_tokens)
+        return orig(s, scheduler)
+
+    kv.run = counting_run
+    run_all(sched, kv, [first, *others])
+    for r in [first, *others]:
+        assert r.output_token_ids == reference(prompt, 5)
+        assert r.finish_reason == "length"
+    # prompt once (10) + one recomputed prompt token per fork (3) + 4 tokens of decode each after the first
+    assert sum(computed) == 10 + 3 + 4 * 4
+    assert [r.num_cached_tokens for r in others] == [9, 9, 9]
+
+
+def test_salted_requests_do_not_share():
+    sched, kv, _kvm = make()
+    prompt = list(range(20))
+    run_all(sched, kv, [req("a", prompt, 2, cache_salt="x")])
+    b = req("b", prompt, 2, cache_salt="y")
+    c = req("c", prompt, 2, cache_salt="x")
+    run_all(sched, kv, [b])
+    run_all(sched, kv, [c])
+    assert b.num_cached_tokens == 0
+    assert c.num_cached_tokens == 16
+
+
+def test_preempted_request_finds_its_prefix_again():
+    sched, kv, kvm = make(num_blocks=10, budget=64)
+    reqs = [req(f"r{i}", [i] * 9, 10) for i in range(3)]
+    run_all(sched, kv, reqs)
+    assert sched.stats.num_preemptions > 0
+    assert kvm.stats.hit_tokens > 0
+    for r in reqs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 10)
+
+
+def test_longest_prefix_match_first_without_starvation():
+    sched, kv, _kvm = make(budget=64, max_seqs=1, policy="lpm")
+    shared = list(range(40))
+    run_all(sched, kv, [req("warm", shared, 1)])
+    cold = req("cold", [90] * 20, 1)
+    hot = [req(f"hot{i}", shared + [i], 1) for i in range(12)]
+    for r in [cold, *hot]:
+        sched.add_request(r)
+    order = []
+    while sched.num_unfinished:
+        s = sched.schedule()
+        order += [
+            x.request.request_id for x in s.scheduled if x.request.num_computed_tokens == 0 or x.samples
+        ]
+        sched.update_from_output(s, kv.run(s, sched))
+    first_seen = list(dict.fromkeys(order))
+    assert first_seen[0].startswith("hot")
+    assert first_seen.index("cold") <= sched.config.max_skips + 1  # bounded waiting
+
+
+def test_abort_frees_blocks():
+    sched, kv, kvm = make(caching=False)
+    r = req("a", list(range(10)), 50)
+    sched.add_request(r)
+    s = sched.schedule()
+    sched.update_from_output(s, kv.run(s, sched))
+    assert r.block_ids
+    sched.finish_requests(["a"], "abort")
+    assert r.finish_reason == "abort" and not r.block_ids
+    assert kvm.pool.num_free == kvm.num_blocks
+    sched.check()
