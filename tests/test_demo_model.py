@@ -118,3 +118,11 @@ def test_greedy_generation_is_english_looking_and_deterministic(hf_model, tokeni
     assert len(words) >= 5, text
     letters = sum(c.isascii() and (c.isalpha() or c in " ,.;:'\n") for c in text)
     assert letters / len(text) > 0.9, text
+
+
+def test_default_model_path_reports_a_missing_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pagoda.assets
+
+    monkeypatch.setattr(pagoda.assets, "DEMO_MODEL_DIR", "no-such-model")
+    with pytest.raises(FileNotFoundError, match="demo model is incomplete"):
+        pagoda.assets.default_model_path()

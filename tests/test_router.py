@@ -483,6 +483,22 @@ def test_streaming_is_passed_through_without_buffering(fakes: Any, router: Any) 
     assert a.control.acked == len(expected) and not a.control.gate.is_set()
 
 
+def test_a_client_leaving_mid_stream_releases_the_backend(fakes: Any, router: Any) -> None:
+    a = fakes("A")
+    a.control.mode = "gated"  # never acknowledged: the backend would hold chunk 2 for 20 s
+    base = router([backend(a, "m1")])
+    body = {"model": "m1", "prompt": "hi", "stream": True}
+    with (
+        httpx.Client(timeout=CLIENT_TIMEOUT, trust_env=False) as client,
+        client.stream("POST", f"{base}/v1/completions", json=body) as response,
+    ):
+        assert next(response.iter_raw()).startswith(b"data: ")
+    in_flight = lambda: httpx.get(f"{base}/health", timeout=CLIENT_TIMEOUT).json()["backends"][0]["in_flight"]  # noqa: E731
+    wait_until(lambda: in_flight() == 0, 10)
+    metrics = httpx.get(f"{base}/metrics", timeout=CLIENT_TIMEOUT).text
+    assert f'pagoda_router_requests_total{{backend="{a.url}",status="client_closed"}} 1.0' in metrics
+
+
 def test_openai_client_works_through_the_router(fakes: Any, router: Any) -> None:
     openai = pytest.importorskip("openai")
     a = fakes("A")
@@ -879,14 +895,31 @@ def test_launch_rejects_bad_arguments() -> None:
 # ---------------------------------------------------------------- real pagoda servers
 
 
-@pytest.fixture
-def pagoda_servers(request: pytest.FixtureRequest) -> Any:
+@pytest.fixture(scope="module")
+def real_servers(request: pytest.FixtureRequest) -> list[str]:
+    """Two real `pagoda serve` processes on the same tiny model: the session's shared server and one
+    more from the factory (started in parallel, so the module waits for one startup, not two)."""
     try:
-        return request.getfixturevalue("pagoda_server_factory")
-    except pytest.FixtureLookupError:
-        pytest.skip(
-            "needs the `pagoda_server_factory` fixture (real pagoda servers on a tiny model); not provided yet"
-        )
+        factory = request.getfixturevalue("pagoda_server_factory")
+        model_dir = request.getfixturevalue("tiny_llama_dir")
+    except pytest.FixtureLookupError as exc:
+        pytest.skip(f"needs the fixtures that start real pagoda servers: {exc.argname}")
+    started: list[str] = []
+    failed: list[BaseException] = []
+
+    def start_second() -> None:
+        try:
+            started.append(factory(model_dir))
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=start_second, daemon=True)
+    thread.start()
+    first = request.getfixturevalue("pagoda_server")
+    thread.join(timeout=300)
+    if failed or not started:
+        raise RuntimeError(f"the second pagoda server did not start: {failed}")
+    return [first, started[0]]
 
 
 def _model_of(url: str) -> str:
@@ -894,6 +927,7 @@ def _model_of(url: str) -> str:
 
 
 def _stream_text(base: str, model: str, prompt: str) -> tuple[str, str | None]:
+    """The streamed text and finish reason of a greedy completion (ids and timestamps differ per server)."""
     body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}
     status, chunks = stream_raw(base, "/v1/completions", body)
     assert status == 200
@@ -906,34 +940,46 @@ def _stream_text(base: str, model: str, prompt: str) -> tuple[str, str | None]:
     return text, finish
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_real_servers_stream_through_the_router_as_direct(
-    pagoda_servers: Any, router: Any, policy: str
+def test_real_servers_through_the_router_equal_direct_for_every_policy(
+    real_servers: list[str], router: Any
 ) -> None:
-    urls = [pagoda_servers(), pagoda_servers()]
-    model = _model_of(urls[0])
-    base = router([BackendConfig(u) for u in urls], policy=policy, seed=0)
-    for prompt in ("Hello, my name is", "The capital of France is", "Hello, my name is Bob and"):
-        assert _stream_text(base, model, prompt) == _stream_text(urls[0], model, prompt)
+    model = _model_of(real_servers[0])
+    assert _model_of(real_servers[1]) == model
+    prompts = ["Hello, my name is", "The capital of France is", "Hello, my name is Bob and"]
+    direct = [_stream_text(real_servers[0], model, p) for p in prompts]
+    assert direct == [_stream_text(real_servers[1], model, p) for p in prompts]  # same weights, greedy
+    for policy in sorted(POLICIES):
+        base = router([BackendConfig(u) for u in real_servers], policy=policy, seed=0)
+        assert [_stream_text(base, model, p) for p in prompts] == direct, policy
+        used = [b for b in state_of(router).pool.backends if b.healthy]
+        assert len(used) == 2
+    metrics = httpx.get(f"{base}/metrics", timeout=CLIENT_TIMEOUT).text
+    for url in real_servers:  # cache-aware (the last) sent the distinct prompts to both servers
+        assert f'pagoda_router_requests_total{{backend="{url}",status="200"}}' in metrics
 
 
-def test_real_server_routing_by_model(pagoda_servers: Any, router: Any, fakes: Any) -> None:
-    url = pagoda_servers()
-    model = _model_of(url)
+def test_real_server_routing_by_model(real_servers: list[str], router: Any, fakes: Any) -> None:
+    model = _model_of(real_servers[0])
     other = fakes("O", ["other-model"])
-    base = router([BackendConfig(url), backend(other)])
-    assert _stream_text(base, model, "Hello") == _stream_text(url, model, "Hello")
+    base = router([BackendConfig(real_servers[0]), backend(other)])
+    with httpx.Client(timeout=CLIENT_TIMEOUT, trust_env=False) as client:
+        ids = [m["id"] for m in client.get(f"{base}/v1/models").json()["data"]]
+    assert ids == sorted([model, "other-model"])
+    assert _stream_text(base, model, "Hello") == _stream_text(real_servers[0], model, "Hello")
     assert served_by(complete(base, "other-model")) == "O"
     assert len(other.control.requests) == 1
 
 
-def test_real_server_failover_when_a_peer_is_killed(pagoda_servers: Any, router: Any) -> None:
-    url = pagoda_servers()
-    model = _model_of(url)
+def test_real_servers_survive_a_peer_killed_mid_run(real_servers: list[str], router: Any) -> None:
+    """A killable fake serving the same model next to two real servers: every stream completes or
+    ends with an error event, and afterwards the real servers take all requests."""
+    model = _model_of(real_servers[0])
     with fake_subprocess("P", model, chunks=40, chunk_delay_s=0.05) as p:
-        base = router([BackendConfig(p.url, (model,)), BackendConfig(url)], policy="round-robin")
+        backends = [BackendConfig(p.url, (model,)), *(BackendConfig(u) for u in real_servers)]
+        base = router(backends, policy="round-robin")
 
         async def run() -> list[str]:
+            seen_first = [asyncio.Event() for _ in range(6)]
             async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT, trust_env=False) as client:
 
                 async def one(i: int) -> str:
@@ -942,18 +988,19 @@ def test_real_server_failover_when_a_peer_is_killed(pagoda_servers: Any, router:
                     async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
                         async for chunk in response.aiter_raw():
                             text += chunk
+                            seen_first[i].set()
                     if text.endswith(b"data: [DONE]\n\n"):
                         return "done"
                     return "error_event" if b'"error"' in text.strip().split(b"\n\n")[-1] else "silent"
 
                 tasks = [asyncio.create_task(one(i)) for i in range(6)]
-                await asyncio.sleep(0.5)
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in seen_first)), 30)
                 os.kill(p.pid, signal.SIGKILL)
                 return list(await asyncio.wait_for(asyncio.gather(*tasks), 60))
 
         outcomes = asyncio.run(run())
-    assert "silent" not in outcomes and "done" in outcomes
-    assert _stream_text(base, model, "Hello")[0]
+    assert sorted(outcomes) == ["done"] * 4 + ["error_event"] * 2  # round-robin gave P two of six
+    assert all(_stream_text(base, model, f"after {i}")[1] is not None for i in range(3))
 
 
 # ---------------------------------------------------------------- fake backend process

@@ -257,6 +257,27 @@ def test_filtered_sampling_frequencies():
     assert ((freq - target).abs()[:3] < 4 * sigma[:3]).all(), freq
 
 
+def test_filters_act_on_the_tempered_distribution_in_order():
+    n = 4000
+    # T=0.5 turns [0.5, 0.3, 0.2] into [25, 9, 4] / 38; top_p=0.85 then drops the last token
+    # (25/38 + 9/38 = 0.895), which it would keep untempered (0.5 + 0.3 = 0.8 < 0.85).
+    out = run(
+        torch.tensor([0.5, 0.3, 0.2]).log().repeat(n, 1),
+        [row(SamplingParams(temperature=0.5, top_p=0.85))] * n,
+    )
+    counts = out.sampled_token_ids.bincount(minlength=3)
+    assert counts[2] == 0
+    assert abs(counts[0].item() / n - 25 / 34) < 4 * math.sqrt(25 / 34 * 9 / 34 / n)
+    # top-p before min-p: top_p=0.75 keeps 0.4, 0.3, 0.2 and min_p=0.3 keeps them all; min-p first
+    # would renormalize to [4, 3, 2] / 9, and top-p would then keep only two.
+    out = run(
+        torch.tensor([0.4, 0.3, 0.2, 0.1]).log().repeat(n, 1),
+        [row(SamplingParams(top_p=0.75, min_p=0.3))] * n,
+    )
+    counts = out.sampled_token_ids.bincount(minlength=4)
+    assert counts[3] == 0 and counts[2] > 0
+
+
 def test_inverse_cdf_edges_skip_zero_probability_tokens():
     weights = torch.tensor([[0.0, 0.3, 0.0, 0.2, 0.0]] * 2)
     u = torch.tensor([0.0, torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()])

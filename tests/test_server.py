@@ -102,34 +102,52 @@ def test_streamed_text_equals_non_streamed(client: openai.OpenAI, model: str) ->
         assert chunks[-1].choices[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("char", ["你", "😀"])
+def _byte_token(tokenizer, byte: int) -> int:
+    """The id of the byte-level (GPT-2 alphabet) token that stands for one byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    if byte in printable:
+        char = chr(byte)
+    else:
+        char = chr(256 + [b for b in range(256) if b not in printable].index(byte))
+    return tokenizer.convert_tokens_to_ids(char)
+
+
+@pytest.mark.parametrize(("leads", "num_bytes"), [((0xE4, 0xE5, 0xE6, 0xE7, 0xE8, 0xE9), 3), ((0xF0,), 4)])
 def test_streamed_multibyte_output_equals_non_streamed(
-    client: openai.OpenAI, model: str, tokenizer, char
+    client: openai.OpenAI, model: str, tokenizer, leads: tuple[int, ...], num_bytes: int
 ) -> None:
-    # Byte-level tokens: each UTF-8 byte of `char` is its own token. Biases a fixed step apart plus the
-    # largest frequency penalty make greedy decoding cycle through the bytes in order, so the output
-    # is mostly `char`, split across tokens (and so across stream chunks).
-    ids = tokenizer(char, add_special_tokens=False)["input_ids"]
-    assert len(ids) == len(char.encode())
-    step = 2.0 / (len(ids) + 0.5)
-    bias = {str(t): 100.0 - i * step for i, t in enumerate(ids)}
+    # The tiny tokenizer has one token per byte, so a CJK character (3 bytes) or an emoji (4 bytes)
+    # always spans several tokens, and so several stream chunks. Biases restrict sampling to lead and
+    # continuation bytes; seeds are tried until one output holds such a character.
+    bias = {str(_byte_token(tokenizer, b)): 97.0 for b in range(0x80, 0xC0)}
+    bias |= {str(_byte_token(tokenizer, lead)): 100.0 for lead in leads}
     kw = {
         "model": model,
-        "prompt": "Say it:",
-        "max_tokens": 4 * len(ids),
-        "frequency_penalty": 2.0,
+        "max_tokens": 24,
+        "temperature": 1.0,
         "logit_bias": bias,
+        "extra_body": {"ignore_eos": True},
     }
-    whole = client.completions.create(**kw, **GREEDY).choices[0].text
-    texts, _ = _stream_completion(client, **kw, **GREEDY)
-    assert texts == {0: whole}
-    assert char in whole
-    chat_kw = {k: v for k, v in kw.items() if k != "prompt"}
     messages = [{"role": "user", "content": "Say it"}]
-    whole = client.chat.completions.create(messages=messages, **chat_kw, **GREEDY).choices[0].message.content
-    texts, _ = _stream_chat(client, messages=messages, **chat_kw, **GREEDY)
+    for seed in range(10):
+        whole = client.completions.create(prompt="Say it:", seed=seed, **kw).choices[0].text
+        if _has_char_of_length(whole, num_bytes):
+            break
+    else:
+        pytest.fail(f"no output with a {num_bytes}-byte character in 10 seeds")
+    texts, _ = _stream_completion(client, prompt="Say it:", seed=seed, **kw)
     assert texts == {0: whole}
-    assert char in whole
+    whole = client.chat.completions.create(messages=messages, seed=seed, **kw).choices[0].message.content
+    texts, _ = _stream_chat(client, messages=messages, seed=seed, **kw)
+    assert texts == {0: whole}
+
+
+def _has_char_of_length(text: str, num_bytes: int) -> bool:
+    return any(len(ch.encode()) == num_bytes and ch != "\ufffd" for ch in text)
 
 
 def test_raw_stream_format_and_usage(base: str, model: str) -> None:

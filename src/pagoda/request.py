@@ -8,6 +8,7 @@ import time
 import torch
 
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured.interface import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -56,7 +57,7 @@ class Request:
         self.fork_source = fork_source
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.grammar = None  # structured-output matcher state, owned by the engine core
+        self.grammar: GrammarMatcher | None = None  # structured-output state, advanced by the engine core
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +87,8 @@ class Request:
         last = self.token_ids[-1]
         if self.num_output_tokens >= self.params.min_tokens and last in self.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", last
+        elif self.grammar is not None and self.grammar.is_terminated():
+            self.finish_reason, self.stop_reason = "stop", None
         elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             self.finish_reason = "length"
         return self.finish_reason is not None

@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from pagoda.cache.kv_manager import KVCacheManager
 from pagoda.config import EngineArgs, resolve_device, resolve_dtype
 from pagoda.outputs import Logprob
 from pagoda.request import Request
 from pagoda.sample.metadata import make_generator
 from pagoda.scheduler.scheduler import Scheduler
+from pagoda.structured import GrammarManager
 from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -48,6 +51,8 @@ class EngineCore:
         self.runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(args.scheduler_config(max_model_len), self.kv)
+        self.grammars: GrammarManager | None = None  # set by the engine on first structured request
+        self.num_jump_forward_tokens = 0
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -70,16 +75,43 @@ class EngineCore:
                     f"the scheduler cannot start {self.scheduler.waiting[0]} with an idle engine"
                 )
             return []
-        result = self.runner.execute(sched)
-        before = {rid: self.scheduler.requests[rid].num_tokens for rid in result.sampled}
+        result = self.runner.execute(sched, self._fill_bitmask if self.grammars else None)
+        requests = self.scheduler.requests
+        before = {rid: requests[rid].num_tokens for rid in result.sampled}
         sampled = {rid: [tok] for rid, tok in result.sampled.items()}
+        if self.grammars is not None:
+            for rid, tokens in sampled.items():
+                if requests[rid].grammar is not None:
+                    tokens += self._advance_grammar(requests[rid], tokens[0])
         changed = self.scheduler.update_from_output(sched, sampled)
         outputs = []
         for req in changed:
             new = req.token_ids[before[req.request_id] :]
             lp = result.logprobs.get(req.request_id)
-            outputs.append(StepOutput(req, new, [lp] * len(new) if lp is not None else None))
+            outputs.append(StepOutput(req, new, [lp] if lp is not None else None))
         return outputs
+
+    def _fill_bitmask(self, batch: list[Request]) -> torch.Tensor | None:
+        if all(r.grammar is None for r in batch):
+            return None
+        bitmask = self.grammars.allocate_bitmask(len(batch))
+        self.grammars.fill_bitmask(bitmask, [r.grammar for r in batch])
+        return bitmask.to(self.device, non_blocking=True)
+
+    def _advance_grammar(self, req: Request, token: int) -> list[int]:
+        """Accept the sampled token; returns the tokens the grammar forces next (jump-forward)."""
+        if not req.grammar.accept_token(token):
+            raise RuntimeError(f"{req.request_id}: sampled token {token} violates its grammar")
+        if req.grammar.is_terminated() or token in req.stop_token_ids:
+            return []
+        if not self.args.enable_jump_forward or req.params.logprobs is not None:
+            return []  # forced tokens have no sampled logprobs to report
+        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+        if room <= 0:
+            return []
+        forced = self.grammars.jump_forward(req.grammar, req.output_token_ids + [token], max_tokens=room)
+        self.num_jump_forward_tokens += len(forced)
+        return forced
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
+from concurrent.futures import Future
 
 from pagoda.config import EngineArgs
 from pagoda.engine.core import EngineCore
@@ -11,7 +13,8 @@ from pagoda.engine.input_processor import Prompt, tokenize_prompt
 from pagoda.engine.output_processor import OutputProcessor, RequestGroup, _Completion
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import SamplingParams, StructuredOutputs
+from pagoda.structured import CompiledGrammar, GrammarConfig, GrammarManager
 from pagoda.tokenizer import OutputTextState, apply_chat_template, eos_token_ids, load_tokenizer
 
 
@@ -23,6 +26,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.tokenizer, args.model)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._grammar_lock = threading.Lock()
 
     @property
     def max_model_len(self) -> int:
@@ -44,14 +48,21 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         stream: bool = False,
+        grammar: CompiledGrammar | None = None,
     ) -> str:
-        """Validate and queue a request; raises ValueError naming the problem. Returns its id."""
+        """Validate and queue a request; raises ValueError naming the problem. Returns its id.
+        A structured-output request is compiled here (blocking) unless its compiled `grammar` is
+        given; the async engine compiles off the loop and passes it."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, prompt_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
+        if params.structured_outputs is not None:
+            if params.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured_outputs")
+            grammar = grammar or self.compile_grammar(params.structured_outputs).result()
         params = dataclasses.replace(params, _eos_token_ids=self.eos_token_ids)
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -77,8 +88,30 @@ class LLMEngine:
         ]
         self.output_processor.add(RequestGroup(request_id, text, prompt_ids, completions, child_ids, stream))
         for child in children:
+            if grammar is not None:
+                child.grammar = grammar.new_matcher()
             self.core.add_request(child)
         return request_id
+
+    @property
+    def grammars(self) -> GrammarManager:
+        """The grammar compiler and masker, made on first use (its setup takes seconds)."""
+        with self._grammar_lock:
+            if self.core.grammars is None:
+                # Compact JSON (no free whitespace): fixed keys and punctuation become forced
+                # strings that jump-forward can append without decoding.
+                self.core.grammars = GrammarManager.from_tokenizer(
+                    self.tokenizer,
+                    vocab_size=self.vocab_size,
+                    eos_token_ids=self.eos_token_ids,
+                    config=GrammarConfig(any_whitespace=False),
+                )
+            return self.core.grammars
+
+    def compile_grammar(self, spec: StructuredOutputs) -> Future[CompiledGrammar]:
+        """Compile off the engine loop (thread-safe); a malformed spec raises ValueError here, a
+        failed compile makes the future raise ValueError."""
+        return self.grammars.compile_async(spec)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         """Abort requests (by user request id); returns their final outputs."""

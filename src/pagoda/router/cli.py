@@ -140,6 +140,8 @@ def _configure_logging(level: str) -> None:
     import logging
 
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level != "debug":  # httpx logs every health check at INFO
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _run_router(args: argparse.Namespace) -> int:

@@ -55,7 +55,8 @@ class Sampler:
 
         raw_logprobs = None
         if meta.logprob_rows is not None:
-            raw_logprobs = torch.log_softmax(logits.index_select(0, meta.logprob_rows), dim=-1)
+            asking = logits if len(meta.num_logprobs) == meta.num_rows else logits[meta.logprob_rows]
+            raw_logprobs = torch.log_softmax(asking, dim=-1)
 
         if meta.logit_bias is not None:
             apply_token_update(logits, meta.logit_bias, accumulate=True)

@@ -47,6 +47,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_finished: int = 0
     num_computed_tokens: int = 0  # tokens run through the model (prompt, recompute and decode)
+    num_steps: int = 0  # forward passes
 
 
 class Scheduler:
@@ -111,6 +112,7 @@ class Scheduler:
             self._schedule_waiting(out, budget, scheduled_ids)
         out.block_copies = self.kv.take_copies()
         self.stats.num_computed_tokens += out.num_tokens
+        self.stats.num_steps += not out.is_empty
         return out
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, scheduled_ids: set[str]) -> None:

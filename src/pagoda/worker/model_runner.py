@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.models.loader import load_model
+from pagoda.request import Request
 from pagoda.sample import Sampler, SamplingMetadata, SamplingRow
 from pagoda.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -56,7 +58,9 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, token_bitmask_fn=None) -> ModelOutput:
+    def execute(
+        self, out: SchedulerOutput, token_bitmask_fn: Callable[[list[Request]], torch.Tensor | None] | None = None
+    ) -> ModelOutput:
         if out.block_copies:
             self._copy_blocks(out.block_copies)
         # Decodes (one new token) first: the attention backend batches them in one call.

@@ -29,6 +29,7 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion
 from pagoda.entrypoints.openai.serving_common import ServerState
 from pagoda.entrypoints.openai.serving_completions import create_completion
+from pagoda.tokenizer import apply_chat_template
 
 logger = logging.getLogger("pagoda.server")
 
@@ -127,7 +128,9 @@ def create_app(state: ServerState) -> FastAPI:
         if body.messages is not None:
             messages = [m.to_dict() for m in body.messages]
             try:
-                ids = state.engine.chat_prompt(messages, add_generation_prompt=body.add_generation_prompt)
+                ids = apply_chat_template(
+                    state.engine.tokenizer, messages, add_generation_prompt=body.add_generation_prompt
+                )
             except ValueError as exc:
                 raise APIError(str(exc), param="messages") from None
         else:

@@ -1,0 +1,139 @@
+"""Structured output through the whole engine, on a tiny random model (it knows nothing of JSON)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagoda import LLM, SamplingParams, StructuredOutputs
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "customer_name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "member": {"type": "boolean"},
+        },
+        "required": ["customer_name", "age", "member"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "order": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"},
+                    "items": {"type": "array", "items": {"enum": ["tea", "coffee", "cake"]}, "maxItems": 3},
+                    "total": {"type": "number"},
+                },
+                "required": ["id", "items"],
+                "additionalProperties": False,
+            },
+            "note": {"type": "string", "maxLength": 8},
+        },
+        "required": ["order"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 1, "maxItems": 4},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dirs):
+    return LLM(tiny_model_dirs["LlamaForCausalLM"], dtype="float32", num_kv_blocks=1024, block_size=8)
+
+
+def _clean(llm: LLM) -> None:
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.core.check_invariants()
+
+
+def test_json_schemas_always_validate(llm):
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=400, n=1 + i % 2,
+                       structured_outputs=StructuredOutputs(json=SCHEMAS[i % len(SCHEMAS)]))
+        for i in range(48)
+    ]
+    outs = llm.generate([f"request {i}:" for i in range(len(params))], params)
+    checked = 0
+    for i, out in enumerate(outs):
+        for comp in out.outputs:
+            assert comp.finish_reason == "stop", comp.text  # the grammar ended before max_tokens
+            jsonschema.validate(json.loads(comp.text), SCHEMAS[i % len(SCHEMAS)])
+            checked += 1
+    assert checked == 72
+    _clean(llm)
+
+
+def test_regex_choice_grammar_and_json_object(llm):
+    regex = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
+    choices = ["yes", "no", "maybe so"]
+    grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    cases = [
+        (StructuredOutputs(regex=regex), lambda t: re.fullmatch(regex, t)),
+        (StructuredOutputs(choice=choices), lambda t: t in choices),
+        (StructuredOutputs(grammar=grammar), lambda t: re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", t)),
+    ]
+    for spec, ok in cases:
+        outs = llm.generate([f"q{i}" for i in range(16)],
+                            [SamplingParams(temperature=1.0, seed=i, max_tokens=300, structured_outputs=spec) for i in range(16)])
+        for out in outs:
+            text = out.outputs[0].text
+            assert out.outputs[0].finish_reason == "stop", (spec.kind, text)
+            assert ok(text), (spec.kind, text)
+    # Free-form JSON may wander in a string until max_tokens; what ends is an object.
+    outs = llm.generate([f"q{i}" for i in range(16)], [SamplingParams(
+        temperature=1.0, seed=i, max_tokens=60, structured_outputs=StructuredOutputs(json_object=True)) for i in range(16)])
+    for out in outs:
+        text = out.outputs[0].text
+        assert text.startswith("{")
+        if out.outputs[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+    _clean(llm)
+
+
+def test_invalid_specs_are_clear_errors(llm):
+    with pytest.raises(ValueError, match="regex"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputs(regex="[a-")))
+    with pytest.raises(ValueError):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputs(json={"type": "nonsense"})))
+    with pytest.raises(ValueError, match="min_tokens"):
+        llm.generate("x", SamplingParams(min_tokens=2, structured_outputs=StructuredOutputs(choice=["a"])))
+    _clean(llm)
+
+
+def test_jump_forward_saves_steps(tiny_model_dirs):
+    schema = {
+        "type": "object",
+        "properties": {
+            "customer_full_name": {"type": "string", "maxLength": 6},
+            "customer_membership_level": {"enum": ["gold", "silver"]},
+            "customer_is_active": {"type": "boolean"},
+        },
+        "required": ["customer_full_name", "customer_membership_level", "customer_is_active"],
+        "additionalProperties": False,
+    }
+    results = {}
+    for jf in (True, False):
+        llm = LLM(tiny_model_dirs["Qwen2ForCausalLM"], dtype="float32", num_kv_blocks=512, enable_jump_forward=jf)
+        outs = llm.generate([f"p{i}" for i in range(6)], SamplingParams(
+            temperature=0, max_tokens=300, structured_outputs=StructuredOutputs(json=schema)))
+        results[jf] = [(o.outputs[0].text, o.outputs[0].token_ids) for o in outs]
+        core = llm.engine.core
+        if jf:
+            produced = sum(len(t) for _, t in results[jf])
+            assert core.num_jump_forward_tokens > 0.3 * produced
+        else:
+            assert core.num_jump_forward_tokens == 0
+        _clean(llm)
+    # Forced strings are tokenized canonically, which may differ from the tokens greedy decoding
+    # picks, so texts can differ; both must be valid.
+    for jf in (True, False):
+        for text, _ in results[jf]:
+            jsonschema.validate(json.loads(text), schema)
