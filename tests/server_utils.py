@@ -110,9 +110,15 @@ def start_server(model_dir: str, **flags: object) -> ServerProcess:
 
 
 def metrics(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """Every sample of GET /metrics as {'name{label="v",...}': value} (labels sorted), plus bare names
-    summed over labels."""
-    text = httpx.get(base_url + "/metrics", headers=headers, timeout=10.0).raise_for_status().text
+    """GET /metrics, parsed by `parse_metrics`."""
+    return parse_metrics(
+        httpx.get(base_url + "/metrics", headers=headers, timeout=10.0).raise_for_status().text
+    )
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Every Prometheus sample as {'name{label="v",...}': value} (labels sorted, model_name left out),
+    plus each bare name summed over its labels."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

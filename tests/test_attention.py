@@ -171,3 +171,13 @@ def test_backend_rejects_bad_shapes(args, match):
 def test_allocate_rejects_empty_cache():
     with pytest.raises(ValueError, match="num_blocks"):
         TorchPagedAttention.allocate_kv_cache(0, 16, 2, 8, torch.float32, "cpu")
+
+
+def test_copy_blocks_copies_whole_blocks_in_both_k_and_v():
+    cache = torch.randn(TorchPagedAttention.kv_cache_shape(8, 4, 2, HEAD_DIM))
+    before = cache.clone()
+    TorchPagedAttention.copy_blocks(cache, torch.tensor([1, 5]), torch.tensor([6, 2]))
+    torch.testing.assert_close(cache[:, 6], before[:, 1], rtol=0, atol=0)
+    torch.testing.assert_close(cache[:, 2], before[:, 5], rtol=0, atol=0)
+    untouched = [0, 1, 3, 4, 5, 7]
+    torch.testing.assert_close(cache[:, untouched], before[:, untouched], rtol=0, atol=0)

@@ -58,6 +58,9 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.grammar: GrammarMatcher | None = None  # structured-output state, advanced by the engine core
+        # Jump-forward: trailing tokens the grammar forces, appended unverified. They are computed
+        # with the next step and kept only as far as sampling would have picked them too.
+        self.num_draft_tokens = 0
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +68,8 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Generated tokens, verified ones only."""
+        return len(self.token_ids) - self.num_prompt_tokens - self.num_draft_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -73,7 +77,8 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """Generated tokens, verified ones only."""
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_draft_tokens]
 
     @property
     def is_finished(self) -> bool:
@@ -82,13 +87,23 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def drop_drafts(self) -> None:
+        """Forget unverified jump-forward tokens (their KV, if computed, is simply overwritten)."""
+        k = self.num_draft_tokens
+        if k:
+            del self.token_ids[-k:]
+            self.grammar.rollback(k)
+            self.num_draft_tokens = 0
+            self.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids) - 1)
+
     def check_stop(self, max_model_len: int) -> bool:
         """After a token was appended: set the finish reason if generation must end here."""
         last = self.token_ids[-1]
         if self.num_output_tokens >= self.params.min_tokens and last in self.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", last
-        elif self.grammar is not None and self.grammar.is_terminated():
-            self.finish_reason, self.stop_reason = "stop", None
+        elif self.grammar is not None and last in self.params._eos_token_ids:
+            # The grammar ended (it only ends on EOS), even under ignore_eos.
+            self.finish_reason, self.stop_reason = "stop", last
         elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             self.finish_reason = "length"
         return self.finish_reason is not None

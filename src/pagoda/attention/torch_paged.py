@@ -46,8 +46,10 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         md = attn_metadata
         self.write_kv(k, v, kv_cache, md.slot_mapping)
-        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         num_decodes = md.num_decodes
+        if num_decodes and num_decodes == md.num_seqs:
+            return self._decode(q, kv_cache, md)
+        out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, md)
         starts = md.query_start_loc_cpu

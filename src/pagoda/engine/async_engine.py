@@ -299,11 +299,16 @@ class AsyncLLM:
                 sink.put(out)
 
     def _stop(self) -> None:
-        """Abort everything, tell every listener, refuse new commands. Runs on the engine thread."""
+        """Abort everything, tell every listener, refuse new commands. Runs on the engine thread.
+        After a shutdown the streams end with finish_reason "abort"; after a failure they raise."""
         with self._lock:
             self._closed = True
-        with contextlib.suppress(Exception):
-            self._publish(self.engine.abort_request(list(self._sinks)))
+        try:
+            finals = self.engine.abort_request(list(self._sinks))  # frees their blocks
+            if self.error is None:
+                self._publish(finals)
+        except Exception:
+            logger.exception("aborting the remaining requests failed")
         dead = EngineDeadError(self._dead_message())
         for sink, _ in self._sinks.values():
             sink.put(dead)

@@ -12,7 +12,7 @@ from pagoda.config import EngineArgs, resolve_device, resolve_dtype
 from pagoda.outputs import Logprob
 from pagoda.request import Request
 from pagoda.sample.metadata import make_generator
-from pagoda.scheduler.scheduler import Scheduler
+from pagoda.scheduler.scheduler import SampledTokens, Scheduler
 from pagoda.structured import GrammarManager
 from pagoda.worker.model_runner import ModelRunner
 
@@ -52,7 +52,8 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(args.scheduler_config(max_model_len), self.kv)
         self.grammars: GrammarManager | None = None  # set by the engine on first structured request
-        self.num_jump_forward_tokens = 0
+        self.num_jump_forward_tokens = 0  # drafts proposed
+        self.num_jump_forward_accepted = 0  # drafts that sampling confirmed
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -77,20 +78,29 @@ class EngineCore:
             return []
         result = self.runner.execute(sched, self._fill_bitmask if self.grammars else None)
         requests = self.scheduler.requests
-        before = {rid: requests[rid].num_tokens for rid in result.sampled}
-        sampled = {rid: [tok] for rid, tok in result.sampled.items()}
-        if self.grammars is not None:
-            for rid, tokens in sampled.items():
-                if requests[rid].grammar is not None:
-                    tokens += self._advance_grammar(requests[rid], tokens[0])
+        sampled: dict[str, SampledTokens] = {}
+        logprobs: dict[str, list[dict[int, Logprob]]] = {}
+        for rid, tok in result.sampled.items():
+            sampled[rid] = SampledTokens([tok])
+            if rid in result.logprobs:
+                logprobs[rid] = [result.logprobs[rid]]
+            if requests[rid].grammar is not None:
+                self._accept(requests[rid], tok)
+        for rid, draft_logits in result.draft_logits.items():
+            sampled[rid], logprobs[rid] = self._verify_drafts(requests[rid], draft_logits)
+        for rid, res in sampled.items():
+            if requests[rid].grammar is not None:
+                res.drafts = self._jump_forward(requests[rid], res.tokens)
+        verified = {rid: requests[rid].num_tokens - requests[rid].num_draft_tokens for rid in sampled}
         changed = self.scheduler.update_from_output(sched, sampled)
         outputs = []
         for req in changed:
-            new = req.token_ids[before[req.request_id] :]
-            lp = result.logprobs.get(req.request_id)
-            outputs.append(StepOutput(req, new, [lp] if lp is not None else None))
+            new = req.token_ids[verified[req.request_id] : req.num_tokens - req.num_draft_tokens]
+            lp = logprobs.get(req.request_id)
+            outputs.append(StepOutput(req, new, lp[: len(new)] if lp else None))
         return outputs
 
+    # ---- structured output -----------------------------------------------------------------------
     def _fill_bitmask(self, batch: list[Request]) -> torch.Tensor | None:
         if all(r.grammar is None for r in batch):
             return None
@@ -98,18 +108,47 @@ class EngineCore:
         self.grammars.fill_bitmask(bitmask, [r.grammar for r in batch])
         return bitmask.to(self.device, non_blocking=True)
 
-    def _advance_grammar(self, req: Request, token: int) -> list[int]:
-        """Accept the sampled token; returns the tokens the grammar forces next (jump-forward)."""
+    def _accept(self, req: Request, token: int) -> None:
         if not req.grammar.accept_token(token):
             raise RuntimeError(f"{req.request_id}: sampled token {token} violates its grammar")
-        if req.grammar.is_terminated() or token in req.stop_token_ids:
+
+    def _verify_drafts(self, req: Request, logits: torch.Tensor) -> tuple[SampledTokens, list]:
+        """Sample at each draft position in order, exactly as decoding one token per step would
+        (same masks, penalties and random draws); keep drafts while the samples agree with them."""
+        k = req.num_draft_tokens
+        drafts = req.token_ids[-k:]
+        req.grammar.rollback(k)
+        history = req.output_token_ids
+        tokens: list[int] = []
+        logprobs: list[dict[int, Logprob]] = []
+        for i in range(k + 1):
+            sampled, lps = self.runner.sample(
+                logits[i : i + 1], [req], self._fill_bitmask([req]), [history + tokens]
+            )
+            tok = sampled[req.request_id]
+            self._accept(req, tok)
+            tokens.append(tok)
+            if req.request_id in lps:
+                logprobs.append(lps[req.request_id])
+            if i == k or tok != drafts[i]:
+                break
+        self.num_jump_forward_accepted += len(tokens) - 1
+        return SampledTokens(tokens, num_accepted_drafts=len(tokens) - 1), logprobs
+
+    def _jump_forward(self, req: Request, tokens: list[int]) -> list[int]:
+        """Tokens the grammar forces after `tokens`, proposed as drafts for the next step."""
+        if (
+            not self.args.enable_jump_forward
+            or req.grammar.is_terminated()
+            or tokens[-1] in req.stop_token_ids
+        ):
             return []
-        if not self.args.enable_jump_forward or req.params.logprobs is not None:
-            return []  # forced tokens have no sampled logprobs to report
-        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+        verified = req.num_tokens - req.num_draft_tokens + len(tokens)  # once this step is applied
+        room = min(req.max_tokens - (verified - req.num_prompt_tokens), self.max_model_len - verified) - 1
         if room <= 0:
             return []
-        forced = self.grammars.jump_forward(req.grammar, req.output_token_ids + [token], max_tokens=room)
+        history = req.output_token_ids + tokens
+        forced = self.grammars.jump_forward(req.grammar, history, max_tokens=room)
         self.num_jump_forward_tokens += len(forced)
         return forced
 

@@ -79,7 +79,7 @@ class DecoderAttention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, attn_metadata)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class DecoderMLP(nn.Module):

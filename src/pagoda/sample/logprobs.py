@@ -9,7 +9,7 @@ import torch
 from pagoda.outputs import Logprob
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LogprobsTensors:
     """Column 0 is the sampled token; columns 1..K the top-K tokens by descending logprob, where
     K is the largest N asked in the batch (a row that asked for N < K uses columns 1..N only)."""

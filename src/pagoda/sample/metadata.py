@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 from pagoda.sampling_params import SamplingParams
@@ -31,7 +32,7 @@ class SamplingRow:
     generator: torch.Generator | None = None  # the request's own (seeded); None: the batch's shared one
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TokenUpdate:
     """Sparse (row, token) positions of the logits, with a value for each."""
 
@@ -40,7 +41,7 @@ class TokenUpdate:
     values: torch.Tensor  # [N] float32
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PenaltyTensors:
     """Penalties as sparse updates: only tokens already in a sequence are touched."""
 
@@ -48,7 +49,7 @@ class PenaltyTensors:
     additive: TokenUpdate | None  # each distinct (row, output token): -(frequency * count + presence)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RandomRows:
     """The rows that are sampled rather than argmaxed, and what their draw needs. Every tensor here
     is indexed by position among these rows, not by batch row."""
@@ -65,7 +66,7 @@ class RandomRows:
     seeded: tuple[tuple[int, torch.Generator], ...]  # (position, the row's own generator)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SamplingMetadata:
     """Tensors for one step's batch. Fields that no row needs are None, so their stage is skipped."""
 
@@ -186,15 +187,26 @@ def _min_tokens_bans(
 
 
 def _distinct_pairs(
-    seqs: list[Sequence[int]], row_ids: list[int], vocab_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Distinct (batch row, token id) pairs of seqs (seqs[i] belongs to row_ids[i]), with counts.
+    seqs: list[Sequence[int]], positions: list[int], vocab_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct (position, token id) pairs of seqs (seqs[i] belongs to positions[i]), with counts.
     Worked out on the host, where the size of the result is known without a device sync."""
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.int64), lengths)
-    tokens = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.int64)
-    keys, counts = torch.unique(rows * vocab_size + tokens, return_counts=True)
-    return (keys // vocab_size).to(device), (keys % vocab_size).to(device), counts.to(device)
+    lengths = [len(s) for s in seqs]
+    owners = np.repeat(np.asarray(positions, dtype=np.int64), lengths)
+    tokens = np.fromiter(chain.from_iterable(seqs), dtype=np.int64, count=sum(lengths))
+    keys, counts = np.unique(owners * vocab_size + tokens, return_counts=True)
+    return keys // vocab_size, keys % vocab_size, counts
+
+
+def _update(
+    rows: list[int], positions: np.ndarray, token_ids: np.ndarray, values: np.ndarray, device: torch.device
+) -> TokenUpdate:
+    """positions index into rows (the batch rows concerned)."""
+    return TokenUpdate(
+        rows=torch.from_numpy(np.asarray(rows, dtype=np.int64)[positions]).to(device),
+        token_ids=torch.from_numpy(token_ids).to(device),
+        values=torch.from_numpy(values.astype(np.float32)).to(device),
+    )
 
 
 def _penalties(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> PenaltyTensors | None:
@@ -204,27 +216,22 @@ def _penalties(rows: Sequence[SamplingRow], vocab_size: int, device: torch.devic
         for i, row in enumerate(rows)
         if row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0
     ]
-    if not repeating and not additive:
-        return None
     repetition_update = None
     if repeating:
         seqs = [rows[i].prompt_token_ids for i in repeating] + [rows[i].output_token_ids for i in repeating]
-        row_ids, token_ids, _ = _distinct_pairs(seqs, repeating * 2, vocab_size, device)
-        if row_ids.numel():
-            penalty = torch.ones(len(rows), dtype=torch.float32, device=device)
-            penalty[repeating] = _floats([rows[i].params.repetition_penalty for i in repeating], device)
-            repetition_update = TokenUpdate(row_ids, token_ids, penalty[row_ids])
+        positions, token_ids, _ = _distinct_pairs(seqs, list(range(len(repeating))) * 2, vocab_size)
+        if positions.size:
+            penalty = np.array([rows[i].params.repetition_penalty for i in repeating])
+            repetition_update = _update(repeating, positions, token_ids, penalty[positions], device)
     additive_update = None
     if additive:
         seqs = [rows[i].output_token_ids for i in additive]
-        row_ids, token_ids, counts = _distinct_pairs(seqs, additive, vocab_size, device)
-        if row_ids.numel():
-            frequency = torch.zeros(len(rows), dtype=torch.float32, device=device)
-            presence = torch.zeros(len(rows), dtype=torch.float32, device=device)
-            frequency[additive] = _floats([rows[i].params.frequency_penalty for i in additive], device)
-            presence[additive] = _floats([rows[i].params.presence_penalty for i in additive], device)
-            values = -(frequency[row_ids] * counts + presence[row_ids])
-            additive_update = TokenUpdate(row_ids, token_ids, values)
+        positions, token_ids, counts = _distinct_pairs(seqs, list(range(len(additive))), vocab_size)
+        if positions.size:
+            frequency = np.array([rows[i].params.frequency_penalty for i in additive])
+            presence = np.array([rows[i].params.presence_penalty for i in additive])
+            values = -(frequency[positions] * counts + presence[positions])
+            additive_update = _update(additive, positions, token_ids, values, device)
     if repetition_update is None and additive_update is None:
         return None
     return PenaltyTensors(repetition=repetition_update, additive=additive_update)

@@ -12,7 +12,7 @@ from pagoda.sample.metadata import RandomRows, SamplingMetadata
 from pagoda.sample.processors import apply_bitmask, apply_penalties, apply_token_update
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None  # None when no row asked for logprobs

@@ -28,6 +28,16 @@ class ScheduledRequest:
 
 
 @dataclass
+class SampledTokens:
+    """What one step produced for a request: verified tokens (the first `num_accepted_drafts` of
+    them are jump-forward drafts that sampling confirmed), then new unverified drafts."""
+
+    tokens: list[int]
+    num_accepted_drafts: int = 0
+    drafts: list[int] = field(default_factory=list)
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
@@ -94,6 +104,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_draft_tokens and num_new < req.num_tokens - req.num_computed_tokens:
+                req.drop_drafts()  # drafts are verified in one go or not at all
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_more(req, num_new):
                 victim = self.running.pop()  # the newest running request yields its blocks
                 self._preempt(victim)
@@ -159,32 +172,43 @@ class Scheduler:
         return starving + rest
 
     # ---- update ----------------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens (one, or more after a jump-forward),
-        finish requests. Returns the requests that got new tokens or finished."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, SampledTokens]) -> list[Request]:
+        """Advance computed tokens, settle jump-forward drafts, append sampled tokens, finish
+        requests. Returns the requests that got new tokens or finished."""
         changed = []
         max_len = self.config.max_model_len
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
-            tokens = sampled.get(req.request_id)
-            if tokens is None:
+            result = sampled.get(req.request_id)
+            if result is None:
                 self.kv.cache_computed(req)
                 continue
-            for tok in tokens:
+            k = req.num_draft_tokens
+            if k:
+                # The KV of rejected drafts is stale; accepted ones come back as verified tokens.
+                req.num_computed_tokens -= k - result.num_accepted_drafts
+                del req.token_ids[-k:]
+                req.num_draft_tokens = 0
+            for tok in result.tokens:
                 req.append_token(tok)
                 if req.check_stop(max_len):
+                    # Stopped inside accepted drafts: the KV past the last kept token is not its own.
+                    req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
                     break
             if req.finish_reason is not None:
                 self.running.remove(req)
                 self._finish(req)
             else:
                 self.kv.cache_computed(req)
+                req.token_ids.extend(result.drafts)
+                req.num_draft_tokens = len(result.drafts)
             changed.append(req)
         return changed
 
     # ---- internals -------------------------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
+        req.drop_drafts()
         self.kv.free(req)  # its computed full blocks stay cached, so it finds them when it resumes
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
