@@ -8,7 +8,7 @@ from pagoda.cache.kv_manager import KVCacheManager
 from pagoda.config import SchedulerConfig
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler.scheduler import Scheduler
+from pagoda.scheduler.scheduler import SampledTokens, Scheduler
 
 
 def fake_token(tokens: list[int]) -> int:
@@ -23,7 +23,7 @@ class FakeKV:
         self.slots: dict[int, int] = {}
         self.bs = bs
 
-    def run(self, sched, scheduler: Scheduler) -> dict[str, list[int]]:
+    def run(self, sched, scheduler: Scheduler) -> dict[str, SampledTokens]:
         for src, dst in sched.block_copies:
             for off in range(self.bs):
                 if src * self.bs + off in self.slots:
@@ -40,7 +40,7 @@ class FakeKV:
                 # "attention": read the whole context back through the block table
                 ctx = [self.slots[req.block_ids[p // self.bs] * self.bs + p % self.bs] for p in range(end)]
                 assert ctx == req.token_ids[:end], f"{req.request_id} read a wrong KV slot"
-                sampled[req.request_id] = [fake_token(ctx)]
+                sampled[req.request_id] = SampledTokens([fake_token(ctx)])
         return sampled
 
 
