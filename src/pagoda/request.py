@@ -92,7 +92,8 @@ class Request:
         k = self.num_draft_tokens
         if k:
             del self.token_ids[-k:]
-            self.grammar.rollback(k)
+            if self.grammar is not None:
+                self.grammar.rollback(k)
             self.num_draft_tokens = 0
             self.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids) - 1)
 

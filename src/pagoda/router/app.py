@@ -102,7 +102,8 @@ def create_app(config: RouterConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(exc.status_code, str(exc.detail), code, headers=exc.headers)
+        headers = {**(exc.headers or {}), "x-request-id": request_id_of(request)}
+        return error_response(exc.status_code, str(exc.detail), code, headers=headers)
 
     def unauthorized(request: Request, request_id: str) -> JSONResponse | None:
         if config.api_key is None:

@@ -253,12 +253,9 @@ class Proxy:
             )
             try:
                 attempt.response = response = await self.client.send(backend_request, stream=True)
-            except httpx.TimeoutException as exc:
-                outcome = "timeout"
-                return self._transport_failure(backend, exc, 504, "backend_timeout")
             except httpx.HTTPError as exc:
-                outcome = "connect_error"
-                return self._transport_failure(backend, exc, 502, "backend_unavailable")
+                outcome = "timeout" if isinstance(exc, httpx.TimeoutException) else "connect_error"
+                return self._transport_failure(backend, exc)
             outcome = str(response.status_code)
             is_stream = response.headers.get("content-type", "").startswith("text/event-stream")
             if response.is_success and is_stream:
@@ -266,8 +263,8 @@ class Proxy:
                 try:
                     first_chunk = await anext(chunks, b"")
                 except httpx.HTTPError as exc:
-                    outcome = "stream_error"
-                    return self._transport_failure(backend, exc, 502, "backend_unavailable")
+                    outcome = "timeout" if isinstance(exc, httpx.TimeoutException) else "stream_error"
+                    return self._transport_failure(backend, exc)
                 relay = _RelayResponse(
                     attempt,
                     first_chunk,
@@ -281,8 +278,8 @@ class Proxy:
             try:
                 data = await response.aread()
             except httpx.HTTPError as exc:
-                outcome = "stream_error"
-                return self._transport_failure(backend, exc, 502, "backend_unavailable")
+                outcome = "timeout" if isinstance(exc, httpx.TimeoutException) else "stream_error"
+                return self._transport_failure(backend, exc)
             if response.status_code >= 500:
                 passthrough = is_openai_error(data)
                 return _Failure(
@@ -304,10 +301,13 @@ class Proxy:
             if not handed_over:
                 await attempt.finish(outcome)
 
-    def _transport_failure(self, backend: Backend, exc: httpx.HTTPError, status: int, code: str) -> _Failure:
+    def _transport_failure(self, backend: Backend, exc: httpx.HTTPError) -> _Failure:
+        """The backend did not answer properly: take it out of rotation until a health check passes."""
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         self.pool.mark_unhealthy(backend, reason)
-        return _Failure(status, f"backend request failed ({reason})", code)
+        if isinstance(exc, httpx.TimeoutException):
+            return _Failure(504, f"backend request timed out ({reason})", "backend_timeout")
+        return _Failure(502, f"backend request failed ({reason})", "backend_unavailable")
 
     @staticmethod
     def _client_headers(response: httpx.Response, request_id: str) -> dict[str, str]:
