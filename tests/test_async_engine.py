@@ -176,6 +176,39 @@ def test_full_waiting_queue_raises_overloaded(engine: LLMEngine) -> None:
     assert "max_waiting_requests=1" in str(rejected[0])
 
 
+def test_cancelled_while_being_added_is_aborted(engine: LLMEngine) -> None:
+    hold, held, release = threading.Event(), threading.Event(), threading.Event()
+    published: list[RequestOutput] = []
+
+    def on_step(_engine, outs) -> None:
+        published.extend(outs)
+        if hold.is_set():
+            held.set()
+            release.wait(30)
+
+    async def test(llm: AsyncLLM):
+        long = await llm.add_requests(["long"], ["Go on and on"], LONG)
+        await anext(long)
+        hold.set()
+        await asyncio.to_thread(held.wait, 30)
+        hold.clear()
+        add = asyncio.create_task(llm.add_requests(["late"], ["Hi"], LONG))
+        await asyncio.sleep(0.05)
+        add.cancel()  # the add is queued but not yet accepted
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await add
+        for _ in range(500):
+            if any(o.request_id == "late" and o.finished for o in published):
+                break
+            await asyncio.sleep(0.01)
+        long.abort()
+
+    _run(engine, test, on_step=on_step)
+    (final,) = [o for o in published if o.request_id == "late" and o.finished]
+    assert final.outputs[0].finish_reason == "abort"
+
+
 def test_a_failing_step_kills_the_engine_cleanly(engine: LLMEngine) -> None:
     calls = []
 

@@ -181,3 +181,11 @@ def test_copy_blocks_copies_whole_blocks_in_both_k_and_v():
     torch.testing.assert_close(cache[:, 2], before[:, 5], rtol=0, atol=0)
     untouched = [0, 1, 3, 4, 5, 7]
     torch.testing.assert_close(cache[:, untouched], before[:, untouched], rtol=0, atol=0)
+
+
+def test_long_bfloat16_prefill_matches_reference(paged_harness):
+    """Long bf16 prefills may run in float32 on the CPU; the result must stay bf16 and correct."""
+    steps = [[("a", 300)], [("b", 2), ("a", 260)]]
+    for out, expected in run_steps(paged_harness, steps, 4, 2, block_size=16, dtype=torch.bfloat16):
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)

@@ -185,3 +185,15 @@ def test_chat_keeps_the_history(
     reply = seen[2][2]
     assert reply["role"] == "assistant" and reply["content"] + "\n" in out
     assert seen[2][3] == {"role": "user", "content": "And more"}
+
+
+def test_api_key_comes_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda.entrypoints.openai.app import ServerConfig
+
+    monkeypatch.delenv("PAGODA_API_KEY", raising=False)
+    assert ServerConfig().resolved_api_key() is None
+    monkeypatch.setenv("PAGODA_API_KEY", "from-env")
+    assert ServerConfig().resolved_api_key() == "from-env"
+    assert ServerConfig(api_key="flag").resolved_api_key() == "flag"
+    with pytest.raises(ValueError, match="port"):
+        ServerConfig(port=70000)

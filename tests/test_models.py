@@ -13,6 +13,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from conftest import TINY_DIMS, TINY_VARIANTS
+from pagoda.layers import Linear
+from pagoda.layers.precision import FP32_MIN_ROWS, upcast_to_fp32
 from pagoda.layers.rotary import RopeConfig
 from pagoda.models import CausalLM, load_model, parse_hf_config, supported_architectures
 from pagoda.models.synthetic import build_random_model
@@ -437,3 +439,20 @@ def test_synthetic_is_deterministic_and_validates(tmp_path):
         build_random_model(tmp_path / "c", "GPT2LMHeadModel", **kwargs)
     with pytest.raises(ValueError, match="smaller than the tokenizer"):
         build_random_model(tmp_path / "d", "Qwen3ForCausalLM", **{**kwargs, "vocab_size": 100})
+
+
+def test_bfloat16_linear_policy_keeps_dtype_and_values():
+    generator = torch.Generator().manual_seed(0)
+    layer = Linear(96, 80, bias=True, dtype=torch.bfloat16)
+    for param in layer.parameters():
+        param.copy_(torch.randn(param.shape, generator=generator))
+    for rows in (3, FP32_MIN_ROWS + 5):
+        x = torch.randn(rows, 96, generator=generator).to(torch.bfloat16)
+        out = layer(x)
+        assert out.dtype == torch.bfloat16
+        exact = x.double() @ layer.weight.double().T + layer.bias.double()
+        torch.testing.assert_close(out.double(), exact, atol=0.1, rtol=1e-2)
+    assert not upcast_to_fp32(torch.zeros(1, dtype=torch.float32), 10_000)
+    assert not upcast_to_fp32(torch.zeros(1, dtype=torch.bfloat16), FP32_MIN_ROWS - 1)
+    amx = torch.cpu.get_capabilities().get("amx_bf16", False)
+    assert upcast_to_fp32(torch.zeros(1, dtype=torch.bfloat16), FP32_MIN_ROWS) == (not amx)

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.timeout(180)
 TIMEOUT = 60.0
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 ABORTED = 'vllm:request_success_total{finished_reason="abort"}'
+HI = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -331,6 +332,29 @@ def test_extras_and_logit_bias(client: openai.OpenAI, model: str, tokenizer) -> 
     assert out.choices[0].text == "" and out.usage.completion_tokens == 1
 
 
+def test_response_format_constrains_the_output(client: openai.OpenAI, model: str) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
+    kw = {"model": model, "messages": HI, "max_tokens": 60, "temperature": 0.0}
+    json_schema = {"type": "json_schema", "json_schema": {"name": "color", "schema": schema}}
+    out = client.chat.completions.create(response_format=json_schema, **kw).choices[0]
+    assert out.finish_reason == "stop" and json.loads(out.message.content)["color"] in ("red", "green")
+    texts, _ = _stream_chat(client, response_format=json_schema, **kw)
+    assert texts == {0: out.message.content}
+    bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(response_format=bad, **kw)
+    # Any JSON object: a random model may not close it within max_tokens, but it must open one.
+    out = client.chat.completions.create(response_format={"type": "json_object"}, **kw).choices[0]
+    assert out.message.content.lstrip().startswith("{")
+    if out.finish_reason == "stop":
+        assert isinstance(json.loads(out.message.content), dict)
+
+
 def test_prefix_cache_hits_show_in_usage_and_metrics(client: openai.OpenAI, model: str, base: str) -> None:
     prompt = "A long shared prefix that spans several KV blocks of sixteen tokens each. " * 2
     before = metrics(base)
@@ -387,9 +411,6 @@ def test_tokenize_and_detokenize(base: str, tokenizer) -> None:
 
 
 # ---- errors ---------------------------------------------------------------------------------------------
-HI = [{"role": "user", "content": "Hi"}]
-
-
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [
@@ -429,6 +450,18 @@ HI = [{"role": "user", "content": "Hi"}]
             "max_completion_tokens",
         ),
         ("/v1/chat/completions", {"messages": HI, "store": True}, 400, "store"),
+        (
+            "/v1/chat/completions",
+            {"messages": HI, "response_format": {"type": "json_schema"}},
+            400,
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": HI, "response_format": {"type": "xml"}},
+            400,
+            "response_format",
+        ),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+import functools
 import json
 import random
 import re
@@ -21,6 +23,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from pagoda.sampling_params import StructuredOutputs
 from pagoda.structured import GrammarConfig, GrammarManager, XGrammarBackend, spec_key
+from pagoda.structured.valid_utf8 import valid_utf8_ebnf, valid_utf8_grammar
+from pagoda.structured.xgrammar_backend import _json_schema_grammar
 
 EOS = "<|endoftext|>"
 TOKENIZER_VOCAB = 400
@@ -60,6 +64,8 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerFa
 @pytest.fixture(scope="module")
 def manager(tokenizer: PreTrainedTokenizerFast):
     mgr = GrammarManager.from_tokenizer(tokenizer, vocab_size=MODEL_VOCAB)
+    # One token per byte value, so that any byte sequence, valid UTF-8 or not, can be generated.
+    assert set(mgr.backend.token_bytes) >= {bytes([b]) for b in range(256)}
     yield mgr
     mgr.shutdown()
 
@@ -71,9 +77,25 @@ def allowed_ids(bitmask: torch.Tensor, row: int = 0) -> np.ndarray:
 
 
 def utf8(data: bytes) -> str:
-    # xgrammar (0.2.9) lets negated character classes match UTF-8-encoded surrogates (U+D800-U+DFFF),
-    # which strict UTF-8 rejects; a detokenizer shows them as U+FFFD. Everything else is strict.
-    return data.decode("utf-8", errors="surrogatepass")
+    return data.decode("utf-8")  # strict: no surrogates, overlong forms or stray bytes
+
+
+# Every valid UTF-8 prefix becomes valid text with one of these appended (the second byte of a character
+# is 80, 90 or A0 at the lowest; later ones 80).
+_COMPLETIONS = [b""] + [first + b"\x80" * k for first in (b"\x80", b"\x90", b"\xa0") for k in range(3)]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def valid_utf8_prefix(data: bytes) -> bool:
+    """Whether ``data`` is valid UTF-8 or the start of it. (Python's incremental decoder can't tell: it
+    accepts b"\\xed\\xa0", the start of a surrogate, as an unfinished character.)"""
+    for completion in _COMPLETIONS:
+        try:
+            (data + completion).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        return True
+    return False
 
 
 def text_of(manager: GrammarManager, ids: list[int]) -> str:
@@ -130,6 +152,29 @@ def test_json_object_allows_only_objects(manager: GrammarManager, tokenizer) -> 
         (StructuredOutputs(grammar='root ::= "a" | '), ["invalid structured_outputs.grammar", "column"]),
         (StructuredOutputs(grammar="root ::= undefined_rule"), ["undefined_rule"]),
         (StructuredOutputs(grammar="start: missing_rule"), ["read as Lark", "missing_rule"]),
+        # Grammars that could only be met with invalid UTF-8, or could emit arbitrary bytes.
+        (
+            StructuredOutputs(grammar='root ::= "a" | "\\ud800"'),
+            ["invalid structured_outputs.grammar", "surrogate"],
+        ),
+        (
+            StructuredOutputs(grammar='root ::= "a" | [\\ud800-\\udfff]'),
+            ["grammar", "only UTF-16 surrogates"],
+        ),
+        (StructuredOutputs(regex="a|\\ud800"), ["invalid structured_outputs.regex", "surrogate"]),
+        (
+            StructuredOutputs(json={"type": "string", "pattern": "^\\udfff$"}),
+            ["structured_outputs.json", "surrogate"],
+        ),
+        (
+            StructuredOutputs(json={"type": "string", "pattern": "^(a$"}),
+            ["structured_outputs.json", "'^(a$'"],
+        ),
+        (
+            StructuredOutputs(grammar='root ::= TagDispatch(("<a>", r))\nr ::= "x"'),
+            ["TagDispatch", "need not be valid UTF-8"],
+        ),
+        (StructuredOutputs(grammar='root ::= "a" ExcludeToken(5)'), ["ExcludeToken(...) is not supported"]),
     ],
 )
 def test_invalid_spec_raises_value_error_naming_the_problem(
@@ -224,6 +269,18 @@ def test_async_compile_returns_future_without_blocking(tokenizer) -> None:
 def test_malformed_spec_fails_before_queueing(manager: GrammarManager) -> None:
     with pytest.raises(ValueError, match="not valid JSON"):
         manager.compile_async(StructuredOutputs(json="{"))
+    for spec in (
+        StructuredOutputs(choice=["ok", "lone \udc00"]),
+        StructuredOutputs(regex="a\ud800"),
+        StructuredOutputs(json={"const": "\ud83d"}),
+        StructuredOutputs(json='{"const": "\\ud83d"}'),  # an escaped lone surrogate in the JSON text
+    ):
+        with pytest.raises(
+            ValueError, match=f"structured_outputs.{spec.kind} contains a lone UTF-16 surrogate"
+        ):
+            manager.compile_async(spec)
+    # A surrogate pair escaped in JSON text is one character, not a lone surrogate.
+    assert manager.compile_async(StructuredOutputs(json='{"const": "\\ud83d\\ude00"}')).result(timeout=30)
 
 
 # ---- random walks ------------------------------------------------------------------------------------
@@ -289,6 +346,24 @@ JSON_SCHEMAS = {
         },
     },
     "any_of": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}, {"type": "null"}]},
+    "free_text": {
+        "type": "object",
+        "properties": {
+            "note": {"type": "string"},
+            "code": {"type": "string", "pattern": "^[^,]{1,6}$"},
+        },
+        "required": ["note", "code"],
+    },
+    "pattern_keys": {
+        "type": "object",
+        "patternProperties": {"^[^,]{1,4}$": {"type": "integer"}},
+        "additionalProperties": False,
+    },
+    "property_names": {
+        "type": "object",
+        "propertyNames": {"pattern": "^[^,]{1,4}$"},
+        "additionalProperties": {"type": "boolean"},
+    },
 }
 
 REGEXES = [
@@ -298,6 +373,12 @@ REGEXES = [
     r"-?(0|[1-9][0-9]{0,5})(\.[0-9]{1,3})?",
     r"[A-Fa-f0-9]{8}",
     r"héllo (wörld|мир|世界)!",
+    # Classes that take in U+D800-U+DFFF in xgrammar unless rewritten; Python reads them alike here.
+    r".{1,6}",
+    r"[^a-z]{2,5}",
+    r"x[\u0080-\U0010ffff]{1,3}",
+    r"\W{1,4}",
+    r"<[\s\S]{0,4}>",
 ]
 
 CHOICES = [
@@ -306,21 +387,39 @@ CHOICES = [
     ['say "hi"', "back\\slash", "new\nline", "tab\there", "emoji 😀", "[regex] (meta) *.+?^$|"],
 ]
 
-_CLOSERS = set('"}],')
+# Grammars (EBNF or Lark) with an equivalent Python regex. (Not "<" ... ">": the EOS token's text,
+# "<|endoftext|>", would match that, and xgrammar allows it there as text.)
+GRAMMARS = [
+    ('root ::= "(" [^()]* ")" | "{" [\\u00e0-\\U0010ffff]+ "}"', r"\([^()]*\)|\{[\u00e0-\U0010ffff]+\}"),
+    ('root ::= "(" Regex("[^()]{1,5}") ")"', r"\([^()]{1,5}\)"),
+    ('start: "(" TEXT ")"\nTEXT: /[^()]+/', r"\([^()]+\)"),
+]
+
+_CLOSERS = set('"}]>)')
+WALK_SEEDS = range(6)
+MANY_SEEDS = range(6, 150)
 
 
 def random_walk(
     manager: GrammarManager, spec: StructuredOutputs, is_complete, seed: int, walks: int = 4
 ) -> list[str]:
-    """Run ``walks`` sequences side by side in one batch bitmask (with an unconstrained row between them):
-    at each step sample uniformly among the allowed tokens (now and then only among closing tokens, so
-    walks end quickly), check EOS is allowed exactly when the text so far is a complete match."""
+    """Run ``walks`` sequences side by side in one batch bitmask (with an unconstrained row between them).
+
+    Each step samples among the allowed tokens: uniformly, or now and then only among closing tokens (so
+    walks end quickly) or only among tokens with non-ASCII bytes (so walks go through multi-byte
+    characters, where U+D800-U+DFFF would show up if the grammar let them through). Checks at every step
+    that EOS is allowed exactly when the text so far is a complete match, and that every allowed token
+    keeps the text valid UTF-8 (complete or not yet).
+    """
     rng = random.Random(seed)
     compiled = manager.compile(spec)
     token_bytes = manager.backend.token_bytes
     eos = manager.backend.stop_token_ids[0]
     closers = {i for i, b in enumerate(token_bytes) if b and set(b.decode("latin-1")) <= _CLOSERS}
+    closers.add(eos)
+    non_ascii = {i for i, b in enumerate(token_bytes) if b and max(b) >= 0x80}
     matchers = [compiled.new_matcher() for _ in range(walks)]
+    decoders = [codecs.getincrementaldecoder("utf-8")() for _ in range(walks)]
     outputs: list[list[int]] = [[] for _ in range(walks)]
     bitmask = manager.allocate_bitmask(walks + 1)
     for _step in range(400):
@@ -334,19 +433,23 @@ def random_walk(
         assert manager.fill_bitmask(bitmask, rows)
         assert len(allowed_ids(bitmask, 0)) == bitmask.shape[1] * 32  # unconstrained row: all allowed
         for i in live:
-            allowed = allowed_ids(bitmask, i + 1)
+            allowed = allowed_ids(bitmask, i + 1).tolist()
             assert len(allowed) > 0
             assert all(t == eos or token_bytes[t] for t in allowed), "special or padding id allowed"
-            assert allowed.max() < TOKENIZER_VOCAB  # never a padding id past the tokenizer
+            assert max(allowed) < TOKENIZER_VOCAB  # never a padding id past the tokenizer
             text = b"".join(token_bytes[t] for t in outputs[i])
             complete = is_complete(text)
             assert (eos in allowed) == complete, (text, complete)
-            preferred = [t for t in allowed if t in closers or t == eos]
-            pool = preferred if preferred and rng.random() < 0.3 else allowed
-            token = int(rng.choice(list(pool)))
+            unfinished = decoders[i].getstate()[0]  # bytes of a character not yet complete
+            invalid = [token_bytes[t] for t in allowed if not valid_utf8_prefix(unfinished + token_bytes[t])]
+            assert not invalid, (text, invalid[:8])
+            r = rng.random()
+            pool = [t for t in allowed if t in (closers if r < 0.3 else non_ascii)] if r < 0.55 else []
+            token = int(rng.choice(pool or allowed))
             assert matchers[i].accept_token(token)
             if token != eos:
                 outputs[i].append(token)
+                decoders[i].decode(token_bytes[token])
     assert all(m.is_terminated() for m in matchers), "random walk did not finish in 400 steps"
     return [utf8(b"".join(token_bytes[t] for t in out)) for out in outputs]
 
@@ -357,56 +460,106 @@ def _json_complete(schema: dict):
     def check(text: bytes) -> bool:
         try:
             value = json.loads(utf8(text))
-        except (UnicodeDecodeError, ValueError):
+        except ValueError:  # also UnicodeDecodeError
             return False
         return validator.is_valid(value)
 
     return check
 
 
-@pytest.mark.parametrize("name", sorted(JSON_SCHEMAS))
-def test_random_walk_json_schema(manager: GrammarManager, name: str) -> None:
-    schema = JSON_SCHEMAS[name]
-    for seed in range(2):
-        for text in random_walk(manager, StructuredOutputs(json=schema), _json_complete(schema), seed):
-            jsonschema.validate(json.loads(text), schema)
+def _regex_complete(pattern: str):
+    # DOTALL and ASCII make "." and \W, \s, \S mean what they mean in xgrammar.
+    compiled = re.compile(pattern, re.DOTALL | re.ASCII)
 
-
-def test_random_walk_json_object(manager: GrammarManager) -> None:
-    def complete(text: bytes) -> bool:
-        try:
-            return isinstance(json.loads(utf8(text)), dict)
-        except (UnicodeDecodeError, ValueError):
-            return False
-
-    for text in random_walk(manager, StructuredOutputs(json_object=True), complete, seed=7):
-        assert isinstance(json.loads(text), dict)
-
-
-@pytest.mark.parametrize("pattern", REGEXES)
-def test_random_walk_regex(manager: GrammarManager, pattern: str) -> None:
-    compiled = re.compile(pattern)
-
-    def complete(text: bytes) -> bool:
+    def check(text: bytes) -> bool:
         try:
             return compiled.fullmatch(utf8(text)) is not None
         except UnicodeDecodeError:
             return False
 
-    for seed in range(2):
+    return check
+
+
+def _json_object_complete(text: bytes) -> bool:
+    try:
+        return isinstance(json.loads(utf8(text)), dict)
+    except ValueError:
+        return False
+
+
+def walk_json_schema(manager: GrammarManager, name: str, seeds: range) -> None:
+    schema = JSON_SCHEMAS[name]
+    for seed in seeds:
+        for text in random_walk(manager, StructuredOutputs(json=schema), _json_complete(schema), seed):
+            jsonschema.validate(json.loads(text), schema)
+
+
+def walk_json_object(manager: GrammarManager, seeds: range) -> None:
+    for seed in seeds:
+        for text in random_walk(manager, StructuredOutputs(json_object=True), _json_object_complete, seed):
+            assert isinstance(json.loads(text), dict)
+
+
+def walk_regex(manager: GrammarManager, pattern: str, seeds: range) -> None:
+    complete = _regex_complete(pattern)
+    for seed in seeds:
         for text in random_walk(manager, StructuredOutputs(regex=pattern), complete, seed):
-            assert compiled.fullmatch(text), text
+            assert complete(text.encode()), text
+
+
+def walk_choice(manager: GrammarManager, choices: list[str], seeds: range) -> set[str]:
+    encoded = {c.encode("utf-8") for c in choices}
+    seen = set()
+    for seed in seeds:
+        for text in random_walk(manager, StructuredOutputs(choice=choices), encoded.__contains__, seed):
+            assert text in choices
+            seen.add(text)
+    return seen
+
+
+def walk_grammar(manager: GrammarManager, grammar: str, pattern: str, seeds: range) -> None:
+    complete = _regex_complete(pattern)
+    for seed in seeds:
+        for text in random_walk(manager, StructuredOutputs(grammar=grammar), complete, seed):
+            assert complete(text.encode()), text
+
+
+@pytest.mark.parametrize("name", sorted(JSON_SCHEMAS))
+def test_random_walk_json_schema(manager: GrammarManager, name: str) -> None:
+    walk_json_schema(manager, name, WALK_SEEDS)
+
+
+def test_random_walk_json_object(manager: GrammarManager) -> None:
+    walk_json_object(manager, WALK_SEEDS)
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_random_walk_regex(manager: GrammarManager, pattern: str) -> None:
+    walk_regex(manager, pattern, WALK_SEEDS)
 
 
 @pytest.mark.parametrize("choices", CHOICES, ids=["plain", "prefixes", "escapes"])
 def test_random_walk_choice(manager: GrammarManager, choices: list[str]) -> None:
-    encoded = {c.encode("utf-8") for c in choices}
-    seen = set()
-    for seed in range(3):
-        for text in random_walk(manager, StructuredOutputs(choice=choices), encoded.__contains__, seed):
-            assert text in choices
-            seen.add(text)
-    assert len(seen) > 1  # the walk explores, it does not always take one branch
+    assert len(walk_choice(manager, choices, WALK_SEEDS)) > 1  # the walk explores all branches
+
+
+@pytest.mark.parametrize(("grammar", "pattern"), GRAMMARS, ids=["ebnf", "ebnf_regex", "lark"])
+def test_random_walk_grammar(manager: GrammarManager, grammar: str, pattern: str) -> None:
+    walk_grammar(manager, grammar, pattern, WALK_SEEDS)
+
+
+@pytest.mark.slow
+def test_random_walks_many_seeds(manager: GrammarManager) -> None:
+    """Every kind, many more seeds: the output is always strictly valid UTF-8 and matches the spec."""
+    for name in JSON_SCHEMAS:
+        walk_json_schema(manager, name, MANY_SEEDS)
+    walk_json_object(manager, MANY_SEEDS)
+    for pattern in REGEXES:
+        walk_regex(manager, pattern, MANY_SEEDS)
+    for choices in CHOICES:
+        walk_choice(manager, choices, MANY_SEEDS)
+    for grammar, pattern in GRAMMARS:
+        walk_grammar(manager, grammar, pattern, MANY_SEEDS)
 
 
 def test_ebnf_grammar_walk(manager: GrammarManager) -> None:
@@ -425,6 +578,203 @@ def test_ebnf_grammar_walk(manager: GrammarManager) -> None:
 
     for text in random_walk(manager, spec, complete, seed=3):
         assert re.fullmatch(r"[a-c(),]+", text)
+
+
+# ---- valid UTF-8 only ---------------------------------------------------------------------------------
+
+# (spec, ASCII text that leads into free text) for every kind; xgrammar 0.2.9 alone lets all of these emit
+# the UTF-8 encoding of a surrogate.
+FREE_TEXT = [
+    (StructuredOutputs(json={"type": "string"}), '"'),
+    (StructuredOutputs(json={"type": "string", "maxLength": 5}), '"'),
+    (StructuredOutputs(json={"type": "string", "pattern": "^[^,]+$"}), '"'),
+    (StructuredOutputs(json={"type": "object", "propertyNames": {"pattern": "^[^,]+$"}}), '{"'),
+    (StructuredOutputs(json={"type": "object", "patternProperties": {"^[^,]+$": {"type": "null"}}}), '{"'),
+    (StructuredOutputs(json_object=True), '{"'),
+    (StructuredOutputs(json_object=True), '{"a": ["'),
+    (StructuredOutputs(regex=".+"), ""),
+    (StructuredOutputs(regex="[^a]+"), ""),
+    (StructuredOutputs(regex=r"\S+"), ""),
+    (StructuredOutputs(regex=r"\W+"), ""),
+    (StructuredOutputs(regex=r"[\s\S]+"), ""),
+    (StructuredOutputs(regex=r"x[\u0100-\uffff]+"), "x"),
+    (StructuredOutputs(grammar="root ::= [^a]+"), ""),
+    (StructuredOutputs(grammar=r"root ::= [\ud000-\ue000]+"), ""),
+    (StructuredOutputs(grammar='root ::= "x" Regex("[^a]+")'), "x"),
+    (StructuredOutputs(grammar="start: /[^a]+/"), ""),
+    (StructuredOutputs(grammar='start: "x" ANY+\nANY: /./'), "x"),
+]
+
+
+@pytest.mark.parametrize(
+    ("spec", "prefix"), FREE_TEXT, ids=lambda v: v.kind if isinstance(v, StructuredOutputs) else ""
+)
+def test_free_text_never_allows_surrogates(
+    manager: GrammarManager, spec: StructuredOutputs, prefix: str
+) -> None:
+    """After byte ED (lead byte of U+D000-U+DFFF) only 80-9F may follow; A0-BF would start a surrogate."""
+    token_bytes = manager.backend.token_bytes
+    byte_token = {b[0]: i for i, b in enumerate(token_bytes) if len(b) == 1}
+    matcher = manager.compile(spec).new_matcher()
+    assert all(matcher.accept_token(byte_token[b]) for b in prefix.encode())
+    bitmask = manager.allocate_bitmask(1)
+    matcher.fill_bitmask(bitmask, 0)
+    assert byte_token[0xED] in allowed_ids(bitmask)  # U+D000-U+D7FF stay allowed
+    assert matcher.accept_token(byte_token[0xED])
+    matcher.fill_bitmask(bitmask, 0)
+    assert {token_bytes[t][0] for t in allowed_ids(bitmask)} == set(range(0x80, 0xA0))
+    assert not any(matcher.accept_token(byte_token[b]) for b in range(0xA0, 0xC0))
+    assert matcher.accept_token(byte_token[0x9F]) and matcher.accept_token(byte_token[0xBF])  # U+D7FF
+
+
+@pytest.fixture(scope="module")
+def byte_compiler() -> xgr.GrammarCompiler:
+    """A compiler for a vocabulary of the 256 single bytes plus a stop token (id 256)."""
+    vocab = [bytes([b]) for b in range(256)] + [b"</s>"]
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[256])
+    return xgr.GrammarCompiler(info, cache_enabled=False)
+
+
+def _one_char_strings() -> list[bytes]:
+    """Byte strings that are, or nearly are, one UTF-8 character: all 1- and 2-byte strings, and 3- and
+    4-byte ones around every lead byte's limits (overlong, surrogate, past U+10FFFF)."""
+    strings = [bytes([a]) for a in range(256)] + [
+        bytes([a, b]) for a in range(0xC0, 0x100) for b in range(256)
+    ]
+    strings += [
+        bytes([a, b, c])
+        for a in range(0xE0, 0xF0)
+        for b in range(0x80, 0xC0)
+        for c in (0x7F, 0x80, 0xBF, 0xC0)
+    ]
+    strings += [
+        bytes([a, b, 0x80, d]) for a in range(0xF0, 0xF8) for b in range(0x7F, 0xC1) for d in (0x80, 0xBF)
+    ]
+    return strings
+
+
+def _is_one_char(data: bytes) -> bool:
+    try:
+        return len(data.decode("utf-8")) == 1
+    except UnicodeDecodeError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        xgr.Grammar.from_ebnf("root ::= [^,]"),
+        xgr.Grammar.from_ebnf(r"root ::= [\0-+\--\U0010ffff]"),  # positive, spanning the surrogates
+        xgr.Grammar.from_ebnf('root ::= Regex("[^,]")'),  # lazy regex: also overlong forms without the fix
+        xgr.Grammar.from_regex("[^,]"),
+        xgr.Grammar.from_lark("start: /[^,]/"),
+    ],
+    ids=["ebnf_negated", "ebnf_range", "ebnf_lazy_regex", "regex", "lark"],
+)
+def test_grammar_accepts_exactly_the_valid_characters(byte_compiler, grammar: xgr.Grammar) -> None:
+    """Each grammar is "any one character but a comma": byte by byte, it must accept exactly the strict
+    UTF-8 encodings of those characters."""
+    matcher = xgr.GrammarMatcher(byte_compiler.compile_grammar(valid_utf8_grammar(grammar)))
+    wrong = []
+    for data in _one_char_strings():
+        matcher.reset()
+        accepted = all(matcher.accept_token(b) for b in data) and matcher.accept_token(256)
+        if accepted != (_is_one_char(data) and data != b","):
+            wrong.append(data.hex())
+    assert not wrong, wrong[:10]
+
+
+def test_json_string_pattern_escapes_what_json_requires(byte_compiler) -> None:
+    """xgrammar 0.2.9 writes '"', '\\' and control characters matched by a pattern raw, which breaks the
+    JSON; the rewrite writes them as JSON escapes, so the decoded string is what matches the pattern."""
+    schema = {"type": "string", "pattern": "^[^,]{1,2}$"}
+    assert "Regex(" in str(xgr.Grammar.from_json_schema(schema))  # compiled lazily without the rewrite
+    matcher = xgr.GrammarMatcher(byte_compiler.compile_grammar(_json_schema_grammar(schema, True, True)))
+
+    def accepts(text: str) -> bool:
+        matcher.reset()
+        return all(matcher.accept_token(b) for b in text.encode()) and matcher.accept_token(256)
+
+    for value in ["x", '"', "\\", "\n", "\x1f", "\x7f", "é😀", '\t"']:
+        text = json.dumps(value, ensure_ascii=False)
+        assert accepts(text), text
+        jsonschema.validate(json.loads(text), schema)
+    for text in ['"""', '"\\"', '"\n"', '"\\u0022"', '"\\u000a"', '","', '"abc"']:
+        assert not accepts(text), text  # raw, non-canonical escape, comma, too long
+
+
+def test_token_references_must_be_valid_utf8(manager: GrammarManager) -> None:
+    token_bytes = manager.backend.token_bytes
+    lead_byte = token_bytes.index(b"\xc3")  # half of "é"
+    with pytest.raises(ValueError, match=rf"Token\({lead_byte}\).*not valid UTF-8 by itself"):
+        manager.compile(StructuredOutputs(grammar=f'start: "a" <[{lead_byte}]>'))
+    whole = token_bytes.index(b"b")
+    matcher = manager.compile(StructuredOutputs(grammar=f'start: "a" <[{whole}]> /[^a]/')).new_matcher()
+    assert matcher.accept_token(token_bytes.index(b"a")) and matcher.accept_token(whole)
+
+
+def test_rewrite_keeps_literals_exact(manager: GrammarManager) -> None:
+    """xgrammar prints U+0001 followed by "a" as "\\x01a", which it reads back as U+01A; the rewrite
+    writes fixed-width escapes instead."""
+    text, changed = valid_utf8_ebnf(str(xgr.Grammar.from_ebnf('root ::= "\\u0001a" | [^b]')))
+    assert changed and '"\\u0001a"' in text
+    token_bytes = manager.backend.token_bytes
+    matcher = manager.compile(StructuredOutputs(grammar='root ::= "\\u0001a" | [^b]')).new_matcher()
+    assert matcher.accept_token(token_bytes.index(b"\x01")) and matcher.accept_token(token_bytes.index(b"a"))
+    assert matcher.accept_token(manager.backend.stop_token_ids[0])
+
+
+DIFFERENTIAL = [
+    'root ::= ([^,] | "," [\\u0100-\\U0010ffff])+',
+    'start: /[^x]{1,4}/ ("," /\\\\S+/)*',
+    "regex:(.|\\W)+",
+    {
+        "type": "object",
+        "properties": {"s": {"type": "string"}, "t": {"type": "array", "items": {"type": "string"}}},
+    },
+]
+
+
+@pytest.mark.parametrize("source", DIFFERENTIAL, ids=["ebnf", "lark", "regex", "json"])
+def test_rewrite_removes_exactly_the_invalid_utf8(manager: GrammarManager, tokenizer, source) -> None:
+    """Walk the rewritten grammar beside xgrammar's own: at every step the allowed tokens are xgrammar's
+    minus exactly those that would make the text invalid UTF-8."""
+    if isinstance(source, dict):
+        original = xgr.Grammar.from_json_schema(source)
+    elif source.startswith("regex:"):
+        original = xgr.Grammar.from_regex(source.removeprefix("regex:"))
+    elif "::=" in source:
+        original = xgr.Grammar.from_ebnf(source)
+    else:
+        original = xgr.Grammar.from_lark(source)
+    eos = tokenizer.eos_token_id
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=MODEL_VOCAB, stop_token_ids=[eos])
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    token_bytes = manager.backend.token_bytes
+    non_ascii = [i for i, b in enumerate(token_bytes) if b and max(b) >= 0x80]
+    bitmask = xgr.allocate_token_bitmask(2, MODEL_VOCAB)
+    for seed in range(4):
+        rng = random.Random(seed)
+        theirs = xgr.GrammarMatcher(compiler.compile_grammar(original))
+        ours = xgr.GrammarMatcher(compiler.compile_grammar(valid_utf8_grammar(original)))
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        for _step in range(60):
+            theirs.fill_next_token_bitmask(bitmask, 0)
+            ours.fill_next_token_bitmask(bitmask, 1)
+            unfinished = decoder.getstate()[0]
+            expected = [
+                t
+                for t in allowed_ids(bitmask, 0).tolist()
+                if t == eos or valid_utf8_prefix(unfinished + token_bytes[t])
+            ]
+            allowed = allowed_ids(bitmask, 1).tolist()
+            assert allowed == expected
+            pool = [t for t in allowed if t in non_ascii] if rng.random() < 0.5 else []
+            token = int(rng.choice(pool or allowed))
+            if token == eos:
+                break
+            assert theirs.accept_token(token) and ours.accept_token(token)
+            decoder.decode(token_bytes[token])
 
 
 # ---- EOS, masks, rollback ----------------------------------------------------------------------------

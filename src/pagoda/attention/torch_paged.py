@@ -7,6 +7,7 @@ Decodes run as one batched call: their blocks are gathered through the block tab
 `[B, max_len, num_kv_heads, head_dim]` and masked per sequence length. Prefills (and prompt chunks)
 run one sequence at a time; a prompt with no cached context attends to its own fresh K/V with
 `is_causal`, otherwise its context is gathered from the cache and masked bottom-right causally.
+Long bfloat16 prefills on CPUs without AMX run in float32 (see `pagoda.layers.precision`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from pagoda.attention.backend import AttentionBackend, register_attention_backend
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.layers.precision import upcast_to_fp32
 
 
 @register_attention_backend("torch")
@@ -117,6 +119,9 @@ class TorchPagedAttention(AttentionBackend):
             mask = key_pos <= query_pos
             if window is not None:
                 mask &= key_pos > query_pos - window
+        dtype = q.dtype
+        if upcast_to_fp32(q, query_len):
+            q, keys, values = q.float(), keys.float(), values.float()
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),
@@ -126,4 +131,4 @@ class TorchPagedAttention(AttentionBackend):
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return out.squeeze(0).transpose(0, 1)
+        return out.squeeze(0).transpose(0, 1).to(dtype)

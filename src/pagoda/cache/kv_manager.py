@@ -65,8 +65,6 @@ class KVCacheManager:
         if self.radix is not None:
             # The last token is always computed (its logits are needed), so look up one less.
             node, shared = self.radix.match(request.token_ids[: total - 1], request.cache_salt)
-            self.stats.queried_tokens += total
-            self.stats.hit_tokens += len(shared) * bs
         num_cached_blocks = len(shared)
         num_computed = len(shared) * bs
         source = request.fork_source
@@ -86,6 +84,9 @@ class KVCacheManager:
             if node is not None:
                 self.radix.unlock(node)
             return 0
+        if self.radix is not None:  # counted once the request is admitted, not per attempt
+            self.stats.queried_tokens += total
+            self.stats.hit_tokens += num_cached_blocks * bs
         self.pool.incref(shared)
         new_blocks = self.pool.allocate(need)
         if cow:

@@ -9,6 +9,7 @@ run, the thread blocks on the command queue instead of spinning.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -24,6 +25,7 @@ from pagoda.engine.input_processor import Prompt
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,15 @@ class _Add:
     cache_salt: str | None
     stream: bool
     sink: _Sink
+    grammar: CompiledGrammar | None = None
+
+
+@dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread; its result or exception goes to `future`."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
 
 
 @dataclass
@@ -184,9 +195,18 @@ class AsyncLLM:
         EngineDeadError when the engine is not running."""
         if len(request_ids) != len(prompts) or not prompts:
             raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts")
+        grammar = None
+        if params.structured_outputs is not None:
+            # Compiled off the engine loop (and off the event loop): other requests keep running.
+            future = await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)
+            grammar = await asyncio.wrap_future(future)
         sink = _Sink()
-        self._submit(_Add(list(request_ids), list(prompts), params, cache_salt, stream, sink))
-        item = await sink.queue.get()
+        self._submit(_Add(list(request_ids), list(prompts), params, cache_salt, stream, sink, grammar))
+        try:
+            item = await sink.queue.get()
+        except asyncio.CancelledError:
+            self._submit(_Abort(list(request_ids)))  # queued after the add, so it undoes it
+            raise
         if isinstance(item, BaseException):
             raise item
         return RequestStream(self, list(request_ids), sink)
@@ -211,6 +231,15 @@ class AsyncLLM:
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self._submit(_Abort(list(request_ids)))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between steps (the engine is not thread-safe)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError(self._dead_message())
+            self._commands.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Abort whatever runs, stop the engine thread and wait for it (idempotent)."""
@@ -247,6 +276,11 @@ class AsyncLLM:
                         return
                     if isinstance(command, _Add):
                         self._add(command)
+                    elif isinstance(command, _Call):
+                        try:
+                            command.future.set_result(command.fn(engine))
+                        except Exception as exc:
+                            command.future.set_exception(exc)
                     else:
                         self._publish(engine.abort_request(command.request_ids))
                 if engine.has_unfinished_requests():
@@ -272,7 +306,9 @@ class AsyncLLM:
             for rid, prompt in zip(cmd.request_ids, cmd.prompts, strict=True):
                 if rid in self._sinks:
                     raise ValueError(f"request id {rid!r} is already in use")
-                engine.add_request(rid, prompt, cmd.params, cache_salt=cmd.cache_salt, stream=True)
+                engine.add_request(
+                    rid, prompt, cmd.params, cache_salt=cmd.cache_salt, stream=True, grammar=cmd.grammar
+                )
                 added.append(rid)
         except ValueError as exc:
             engine.abort_request(added)
@@ -318,6 +354,8 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
                 if isinstance(command, _Add):
                     command.sink.put(dead)
+                elif isinstance(command, _Call):
+                    command.future.set_exception(dead)
 
 
 def _merge(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:

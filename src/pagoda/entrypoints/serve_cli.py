@@ -231,7 +231,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             shutdown_timeout_s=args.shutdown_timeout,
             log_level=args.log_level,
         )
-    except (ValueError, ImportError) as exc:
+    except (ValueError, OSError, ImportError) as exc:
         return _fail("serve", str(exc))
     _configure_logging(args.log_level)
     if args.replicas is not None:
@@ -288,7 +288,7 @@ def _load_engine(command: str, args: argparse.Namespace):
         from pagoda.engine.llm_engine import LLMEngine
 
         return LLMEngine(_engine_args(args, model)), params
-    except (ValueError, ImportError) as exc:
+    except (ValueError, OSError, ImportError) as exc:
         raise SystemExit(_fail(command, str(exc))) from None
 
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.layers.precision import upcast_to_fp32
+
 ShardId = str | int
 
 
@@ -24,6 +26,13 @@ def _copy_checked(target: torch.Tensor, loaded: torch.Tensor, what: str) -> None
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     """Copy a whole checkpoint tensor into `param` (casting dtype and device)."""
     _copy_checked(param.data, loaded, "parameter")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear`, run in float32 where that is faster (see `pagoda.layers.precision`)."""
+    if upcast_to_fp32(x, x.shape[0]):
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return F.linear(x, weight, bias)
 
 
 def new_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -43,7 +52,7 @@ class Linear(nn.Module):
         self.bias = new_parameter(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class PackedLinear(nn.Module):
@@ -89,4 +98,4 @@ class PackedLinear(nn.Module):
         _copy_checked(param.data.narrow(0, offset, size), loaded, f"shard {shard_id!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)

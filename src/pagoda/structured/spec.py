@@ -38,7 +38,9 @@ def spec_key(spec: StructuredOutputs) -> SpecKey:
     """Cache key: equal for specs that compile to the same grammar (e.g. dict schemas up to key order)."""
     kind = spec.kind
     if spec.json is not None:
-        canonical = json.dumps(parse_json_schema(spec.json), sort_keys=True, separators=(",", ":"))
+        canonical = json.dumps(
+            parse_json_schema(spec.json), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        )
     elif spec.choice is not None:
         canonical = json.dumps(list(spec.choice), ensure_ascii=False)
     elif kind in ("regex", "grammar"):
@@ -47,6 +49,13 @@ def spec_key(spec: StructuredOutputs) -> SpecKey:
             raise ValueError(f"structured_outputs.{kind} must be a string, got {type(canonical).__name__}")
     else:
         canonical = ""
+    try:
+        canonical.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"structured_outputs.{kind} contains a lone UTF-16 surrogate (U+{ord(canonical[e.start]):04X}), "
+            "which is not valid Unicode text"
+        ) from None
     return kind, canonical
 
 

@@ -12,9 +12,11 @@ from transformers import PreTrainedTokenizerBase
 
 from pagoda.sampling_params import StructuredOutputs
 from pagoda.structured.spec import choice_grammar, is_ebnf, parse_json_schema
+from pagoda.structured.valid_utf8 import valid_utf8_ebnf, valid_utf8_grammar
 
-# xgrammar errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes "Check failed: (...) is false: ".
-_XGR_ERROR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
+# xgrammar errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes "Check failed: (...) is false: "
+# (ours may quote one after some context).
+_XGR_ERROR_PREFIX = re.compile(r"\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: .*? is false:\s*)?")
 
 
 # xgrammar 0.2.9 writes the characters of length-limited JSON strings (minLength / maxLength) as this
@@ -26,10 +28,9 @@ _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 def _json_schema_grammar(schema: dict, any_whitespace: bool, strict_mode: bool) -> xgr.Grammar:
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=strict_mode)
-    ebnf = str(grammar)
-    if _LOOSE_JSON_STRING_CHAR not in ebnf:
-        return grammar
-    return xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_JSON_STRING_CHAR, _JSON_STRING_CHAR))
+    # Every JSON string's characters are a negated class, so the text always changes: always reparse.
+    ebnf, _ = valid_utf8_ebnf(str(grammar).replace(_LOOSE_JSON_STRING_CHAR, _JSON_STRING_CHAR))
+    return xgr.Grammar.from_ebnf(ebnf)
 
 
 def _clean_error(error: Exception) -> str:
@@ -151,9 +152,8 @@ class XGrammarBackend:
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=compile_threads, cache_enabled=False)
         self._batch_matcher = xgr.BatchGrammarMatcher(fill_threads) if fill_threads > 1 else None
         unusable = set(self._info.special_token_ids) | set(stop)
-        self._token_bytes = tuple(
-            b"" if i in unusable else bytes(b) for i, b in enumerate(self._info.decoded_vocab)
-        )
+        self._decoded_vocab = tuple(bytes(b) for b in self._info.decoded_vocab)
+        self._token_bytes = tuple(b"" if i in unusable else b for i, b in enumerate(self._decoded_vocab))
 
     @property
     def vocab_size(self) -> int:
@@ -169,30 +169,33 @@ class XGrammarBackend:
 
     def compile(self, spec: StructuredOutputs) -> XGrammarCompiled:
         kind = spec.kind
+        schema = parse_json_schema(spec.json) if spec.json is not None else None
+        if spec.grammar is not None and not is_ebnf(spec.grammar):
+            kind = "grammar (read as Lark: it has no '::=' rules)"
         try:
-            if spec.json is not None:
-                schema = parse_json_schema(spec.json)
-                compiled = self._compiler.compile_grammar(
-                    _json_schema_grammar(schema, self._any_whitespace, strict_mode=True)
-                )
-            elif spec.regex is not None:
-                compiled = self._compiler.compile_regex(spec.regex)
-            elif spec.choice is not None:
-                compiled = self._compiler.compile_grammar(choice_grammar(spec.choice))
-            elif spec.grammar is not None:
-                if is_ebnf(spec.grammar):
-                    compiled = self._compiler.compile_grammar(spec.grammar)
-                else:
-                    kind = "grammar (read as Lark: it has no '::=' rules)"
-                    compiled = self._compiler.compile_lark(spec.grammar)
-            else:
-                # json_object: any JSON object (the builtin JSON grammar would also allow a top-level array).
-                compiled = self._compiler.compile_grammar(
-                    _json_schema_grammar({"type": "object"}, self._any_whitespace, strict_mode=False)
-                )
-        except (RuntimeError, TypeError) as e:
+            compiled = self._compiler.compile_grammar(self._valid_utf8_grammar(spec, schema))
+        except (RuntimeError, TypeError, ValueError) as e:
             raise ValueError(f"invalid structured_outputs.{kind}: {_clean_error(e)}") from None
         return XGrammarCompiled(compiled, self._stop_token_ids)
+
+    def _valid_utf8_grammar(self, spec: StructuredOutputs, schema: dict | None) -> xgr.Grammar:
+        """The spec's grammar, matching only valid UTF-8 (see ``valid_utf8``)."""
+        if schema is not None:
+            return _json_schema_grammar(schema, self._any_whitespace, strict_mode=True)
+        if spec.json_object:
+            # Any JSON object (the builtin JSON grammar would also allow a top-level array).
+            return _json_schema_grammar({"type": "object"}, self._any_whitespace, strict_mode=False)
+        if spec.regex is not None:
+            grammar = xgr.Grammar.from_regex(spec.regex)
+        elif spec.choice is not None:
+            grammar = xgr.Grammar.from_ebnf(choice_grammar(spec.choice))
+        elif spec.grammar is None:
+            raise ValueError("no constraint is set")  # StructuredOutputs requires exactly one
+        elif is_ebnf(spec.grammar):
+            grammar = xgr.Grammar.from_ebnf(spec.grammar)
+        else:
+            grammar = xgr.Grammar.from_lark(spec.grammar, tokenizer_info=self._info)
+        return valid_utf8_grammar(grammar, self._decoded_vocab)
 
     def fill_bitmasks(
         self, matchers: Sequence[XGrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]

@@ -145,6 +145,12 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(f"token id {bad} is not in [0, {state.engine.vocab_size})", param="tokens")
         return {"prompt": state.decode(body.tokens)}
 
+    @api.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        """Drop every cached prefix not in use (as vLLM's endpoint of the same name)."""
+        freed = await state.engine.call(lambda engine: engine.reset_prefix_cache())
+        return {"freed_blocks": freed}
+
     @api.get("/metrics")
     async def metrics() -> Response:
         data, content_type = state.metrics.render()

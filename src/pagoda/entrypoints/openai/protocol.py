@@ -53,10 +53,19 @@ class ResponseFormat(_Strict):
     def to_structured(self) -> StructuredOutputs | None:
         if self.type == "json_object":
             return StructuredOutputs(json_object=True)
-        if self.type == "json_schema":
-            assert self.json_schema is not None  # checked by _schema_given
+        if self.type == "json_schema" and self.json_schema is not None:  # _schema_given checked it is set
             return StructuredOutputs(json=self.json_schema.schema_)
         return None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's `structured_outputs` request field."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingRequest(_Strict):
@@ -76,6 +85,11 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     # vLLM's extras
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -85,6 +99,34 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+
+    def _structured_outputs(self) -> StructuredOutputs | None:
+        """The one output constraint asked for, by whichever field; two at once is an error."""
+        given: dict[str, StructuredOutputs] = {}
+        if self.response_format is not None and (spec := self.response_format.to_structured()) is not None:
+            given["response_format"] = spec
+        candidates: dict[str, dict[str, Any]] = {
+            "guided_json": {"json": self.guided_json},
+            "guided_regex": {"regex": self.guided_regex},
+            "guided_choice": {"choice": self.guided_choice},
+            "guided_grammar": {"grammar": self.guided_grammar},
+            "structured_outputs": self.structured_outputs.model_dump(exclude_none=True)
+            if self.structured_outputs is not None
+            else {},
+        }
+        for name, fields in candidates.items():
+            fields = {k: v for k, v in fields.items() if v is not None}
+            if not fields:
+                continue
+            try:
+                given[name] = StructuredOutputs(**fields)
+            except ValueError as exc:
+                raise ParamError(f"{name}: {exc}", name) from None
+        if len(given) > 1:
+            raise ParamError(
+                f"only one output constraint may be given, got {', '.join(given)}", list(given)[1]
+            )
+        return next(iter(given.values()), None)
 
     def common_checks(self) -> None:
         """Raises ValueError (message, param) for combinations that cannot be honoured."""
@@ -109,7 +151,7 @@ class _SamplingRequest(_Strict):
         for tok in self.stop_token_ids or ():
             if not 0 <= tok < vocab_size:
                 raise ParamError(f"stop_token_ids entry {tok} is not in [0, {vocab_size})", "stop_token_ids")
-        structured = self.response_format.to_structured() if self.response_format else None
+        structured = self._structured_outputs()
         values = {
             "n": self.n,
             "temperature": self.temperature,

@@ -162,7 +162,10 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Respo
 
 async def collect(stream: RequestStream) -> list[RequestOutput]:
     """The final output of every request of a non-streamed RequestStream."""
-    return [out async for out in stream]
+    try:
+        return [out async for out in stream]
+    except EngineDeadError as exc:
+        raise APIError(str(exc), 503, code="engine_unavailable") from None
 
 
 def error_event(exc: Exception) -> str:
