@@ -88,6 +88,14 @@ def test_kernel_accepts_strided_inputs() -> None:
 
 
 @requires_kernel
+def test_kernel_runs_in_inference_mode_with_trainable_weight() -> None:
+    x, w, b = _make(2, 21, 40, bias=True)
+    expected = cpu_gemv.linear_small_m(x, w, b)
+    with torch.inference_mode():
+        assert torch.equal(cpu_gemv.linear_small_m(x, w.clone().requires_grad_(), b), expected)
+
+
+@requires_kernel
 def test_linear_dispatcher_uses_kernel_for_small_bf16_batches() -> None:
     x, w, b = _make(6, 45, 70, bias=True)
     out = cpu_gemv.linear(x.reshape(2, 3, 70), w, b)

@@ -196,7 +196,7 @@ class AsyncLLM:
         if len(request_ids) != len(prompts) or not prompts:
             raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts")
         grammar = None
-        if params.structured_outputs is not None:
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             # Compiled off the engine loop (and off the event loop): other requests keep running.
             future = await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)
             grammar = await asyncio.wrap_future(future)

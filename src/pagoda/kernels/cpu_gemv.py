@@ -104,7 +104,9 @@ class _LazyKernel:
                 try:
                     self._fn = self._build()
                 except Exception as exc:  # any build failure must leave pagoda working on F.linear
-                    logger.warning("CPU bf16 GEMV kernel unavailable, using F.linear: build failed: %s", exc)
+                    logger.warning(
+                        "CPU bf16 GEMV kernel unavailable, using F.linear: build failed: %.2000s", exc
+                    )
                 self._resolved = True
         return self._fn
 

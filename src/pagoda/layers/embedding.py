@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers.linear import new_parameter
+from pagoda.layers.linear import linear, new_parameter
 
 
 class VocabEmbedding(nn.Module):
@@ -39,4 +39,4 @@ class LMHead(nn.Module):
             self.weight = new_parameter(vocab_size, hidden_size, dtype=dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        return linear(hidden, self.weight, None).float()

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels import cpu_gemv
 from pagoda.layers.precision import upcast_to_fp32
 
 ShardId = str | int
@@ -29,7 +30,10 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear`, run in float32 where that is faster (see `pagoda.layers.precision`)."""
+    """`F.linear`, with a bandwidth-bound kernel for a few bf16 rows on the CPU (decode), and in
+    float32 where that is faster for many rows (see `pagoda.layers.precision`)."""
+    if x.shape[0] <= cpu_gemv.MAX_M:
+        return cpu_gemv.linear(x, weight, bias)  # F.linear where the kernel does not apply
     if upcast_to_fp32(x, x.shape[0]):
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
