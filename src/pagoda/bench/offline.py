@@ -14,7 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-WORKLOADS = ("batch", "single", "prefill", "shared-prefix", "multi-turn")
+WORKLOADS = ("batch", "single", "prefill", "shared-prefix", "multi-turn", "structured")
 # Qwen2.5-0.5B's shape: the default model when none is given (random weights).
 DEFAULT_SHAPE = dict(
     hidden_size=896,
@@ -30,6 +30,30 @@ _DEFAULTS = {  # workload -> (num_prompts, input_len, output_len)
     "prefill": (1, 2048, 1),
     "shared-prefix": (64, 64, 32),
     "multi-turn": (16, 64, 32),
+    "structured": (64, 32, 512),
+}
+# A record with long fixed keys, bounded strings and enums: what structured extraction looks like.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "customer_full_name": {"type": "string", "maxLength": 24},
+        "customer_membership_level": {"enum": ["bronze", "silver", "gold", "platinum"]},
+        "shipping_address_country_code": {"type": "string", "pattern": "^[A-Z]{2}$"},
+        "order_contains_fragile_items": {"type": "boolean"},
+        "preferred_delivery_time_window": {"enum": ["morning", "afternoon", "evening"]},
+        "number_of_items_in_order": {"type": "integer", "minimum": 1, "maximum": 99},
+        "customer_support_ticket_summary": {"type": "string", "maxLength": 40},
+    },
+    "required": [
+        "customer_full_name",
+        "customer_membership_level",
+        "shipping_address_country_code",
+        "order_contains_fragile_items",
+        "preferred_delivery_time_window",
+        "number_of_items_in_order",
+        "customer_support_ticket_summary",
+    ],
+    "additionalProperties": False,
 }
 
 
@@ -100,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
         f"dtype {args.dtype}, threads {torch.get_num_threads()}"
     )
     results: list[RunResult] = []
-    if args.workload in ("shared-prefix", "multi-turn"):
+    if args.workload == "structured":
+        results = _run_structured(args, model, tokenizer, n, input_len, output_len)
+    elif args.workload in ("shared-prefix", "multi-turn"):
         for caching in (True, False):
             results.append(_run_cache_workload(args, model, tokenizer, n, input_len, output_len, caching))
     else:
@@ -132,7 +158,7 @@ def _random_prompts(tokenizer, n: int, input_len: int, seed: int) -> list[list[i
     return [[rng.choice(vocab) for _ in range(input_len)] for _ in range(n)]
 
 
-def _engine(args, model: str, caching: bool = True):
+def _engine(args, model: str, caching: bool = True, jump_forward: bool = True):
     from pagoda.config import EngineArgs
     from pagoda.engine.llm_engine import LLMEngine
 
@@ -145,6 +171,7 @@ def _engine(args, model: str, caching: bool = True):
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             kv_cache_memory_gb=args.kv_cache_memory_gb,
+            enable_jump_forward=jump_forward,
         )
     )
 
@@ -275,6 +302,76 @@ def _run_cache_workload(args, model, tokenizer, n, input_len, output_len, cachin
     elapsed = time.perf_counter() - start
     name = f"pagoda cache {'on' if caching else 'off'}"
     return RunResult(name, elapsed, out_tokens, in_tokens, ttfts, stats.num_computed_tokens - computed0)
+
+
+def _run_structured(args, model, tokenizer, n, input_len, output_len) -> list[RunResult]:
+    """The same prompts constrained by a JSON schema (jump-forward off, then on) and unconstrained
+    with each request's output length fixed to what its constrained run produced: the gap in
+    output tokens/s is the cost of masking; forward passes vs tokens is what jump-forward saves."""
+    import copy
+    import json
+
+    from pagoda.sampling_params import SamplingParams, StructuredOutputs
+
+    prompts = _random_prompts(tokenizer, n, input_len, args.seed)
+    spec = StructuredOutputs(json=BENCH_SCHEMA)
+    results: list[RunResult] = []
+    lengths: list[int] = []
+    for jump_forward in (False, True):
+        engine = _engine(args, model, jump_forward=jump_forward)
+        _warmup(engine)
+        # Grammar compile: a new spec (cold) against the same spec again (cached).
+        cold_spec = StructuredOutputs(json={**copy.deepcopy(BENCH_SCHEMA), "title": f"cold-{jump_forward}"})
+        t0 = time.perf_counter()
+        engine.compile_grammar(cold_spec).result()
+        t1 = time.perf_counter()
+        engine.compile_grammar(cold_spec).result()
+        t2 = time.perf_counter()
+        print(
+            f"grammar compile (jump-forward {'on' if jump_forward else 'off'}): first {1e3 * (t1 - t0):.1f} ms, "
+            f"cached {1e3 * (t2 - t1):.3f} ms"
+        )
+        params = SamplingParams(max_tokens=output_len, temperature=0, structured_outputs=spec)
+        engine.compile_grammar(spec).result()
+        stats = engine.core.scheduler.stats
+        steps0 = stats.num_sequence_steps
+        start, mono0 = time.perf_counter(), time.monotonic()
+        ids = [engine.add_request(None, p, params) for p in prompts]
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        elapsed = time.perf_counter() - start
+        outs = [outputs[i] for i in ids]
+        valid = 0
+        for o in outs:
+            try:
+                json.loads(o.outputs[0].text)
+                valid += o.outputs[0].finish_reason == "stop"
+            except ValueError:
+                pass
+        lengths = [len(o.outputs[0].token_ids) for o in outs]
+        steps = stats.num_sequence_steps - steps0  # forward passes each sequence took part in
+        name = f"json schema, jf {'on' if jump_forward else 'off'}"
+        print(
+            f"{name}: {sum(lengths)} tokens in {steps} forward passes summed over sequences "
+            f"({1 - steps / sum(lengths):.0%} fewer passes than tokens), "
+            f"{valid}/{len(outs)} complete JSON, jump-forward accepted "
+            f"{engine.core.num_jump_forward_accepted}/{engine.core.num_jump_forward_tokens} drafts"
+        )
+        ttfts = [o.metrics["first_token_time"] - mono0 for o in outs]
+        results.append(RunResult(name, elapsed, sum(lengths), sum(map(len, prompts)), ttfts))
+    engine = _engine(args, model)
+    _warmup(engine)
+    start, mono0 = time.perf_counter(), time.monotonic()
+    for p, length in zip(prompts, lengths, strict=True):
+        engine.add_request(None, p, SamplingParams(max_tokens=length, temperature=0, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    elapsed = time.perf_counter() - start
+    ttfts = [o.metrics["first_token_time"] - mono0 for o in outs]
+    results.append(RunResult("unconstrained", elapsed, sum(lengths), sum(map(len, prompts)), ttfts))
+    return results
 
 
 def _report(args, results: list[RunResult]) -> None:

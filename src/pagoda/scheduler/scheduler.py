@@ -58,6 +58,7 @@ class SchedulerStats:
     num_finished: int = 0
     num_computed_tokens: int = 0  # tokens run through the model (prompt, recompute and decode)
     num_steps: int = 0  # forward passes
+    num_sequence_steps: int = 0  # forward passes summed over the sequences in them
 
 
 class Scheduler:
@@ -126,6 +127,7 @@ class Scheduler:
         out.block_copies = self.kv.take_copies()
         self.stats.num_computed_tokens += out.num_tokens
         self.stats.num_steps += not out.is_empty
+        self.stats.num_sequence_steps += len(out.scheduled)
         return out
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, scheduled_ids: set[str]) -> None:
