@@ -68,7 +68,7 @@ def test_json_schemas_always_validate(llm):
             n=1 + i % 2,
             structured_outputs=StructuredOutputs(json=SCHEMAS[i % len(SCHEMAS)]),
         )
-        for i in range(48)
+        for i in range(96)
     ]
     outs = llm.generate([f"request {i}:" for i in range(len(params))], params)
     checked = 0
@@ -77,7 +77,7 @@ def test_json_schemas_always_validate(llm):
             assert comp.finish_reason == "stop", comp.text  # the grammar ended before max_tokens
             jsonschema.validate(json.loads(comp.text), SCHEMAS[i % len(SCHEMAS)])
             checked += 1
-    assert checked == 72
+    assert checked == 144
     _clean(llm)
 
 
@@ -166,3 +166,20 @@ def test_jump_forward_keeps_outputs_and_saves_steps(tiny_model_dirs, arch):
     for completions in results[True]:
         for text, _ in completions:
             jsonschema.validate(json.loads(text), schema)
+
+
+def test_preemption_and_chunked_prefill_keep_structured_outputs(tiny_model_dirs):
+    """A pool so small that requests are preempted (drafts dropped, grammar rolled back) and a
+    token budget that chunks prompts: the outputs equal those of a roomy engine."""
+    spec = StructuredOutputs(json=SCHEMAS[0])
+    prompts = [f"a longer prompt that spans several blocks, number {i}" for i in range(8)]
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=200, structured_outputs=spec) for i in range(8)]
+    results = {}
+    for name, kwargs in {"roomy": {"num_kv_blocks": 512}, "tight": {"num_kv_blocks": 40, "max_num_batched_tokens": 24}}.items():
+        llm = LLM(tiny_model_dirs["LlamaForCausalLM"], dtype="float32", block_size=8, **kwargs)
+        outs = llm.generate(prompts, params)
+        results[name] = [o.outputs[0].token_ids for o in outs]
+        if name == "tight":
+            assert llm.engine.core.scheduler.stats.num_preemptions > 0
+        _clean(llm)
+    assert results["tight"] == results["roomy"]
