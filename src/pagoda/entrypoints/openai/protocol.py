@@ -61,7 +61,7 @@ class ResponseFormat(_Strict):
 class StructuredOutputsField(_Strict):
     """vLLM's `structured_outputs` request field."""
 
-    json: dict[str, Any] | str | None = None
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -110,7 +110,7 @@ class _SamplingRequest(_Strict):
             "guided_regex": {"regex": self.guided_regex},
             "guided_choice": {"choice": self.guided_choice},
             "guided_grammar": {"grammar": self.guided_grammar},
-            "structured_outputs": self.structured_outputs.model_dump(exclude_none=True)
+            "structured_outputs": self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
             if self.structured_outputs is not None
             else {},
         }
