@@ -173,9 +173,14 @@ def test_preemption_and_chunked_prefill_keep_structured_outputs(tiny_model_dirs)
     token budget that chunks prompts: the outputs equal those of a roomy engine."""
     spec = StructuredOutputs(json=SCHEMAS[0])
     prompts = [f"a longer prompt that spans several blocks, number {i}" for i in range(8)]
-    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=200, structured_outputs=spec) for i in range(8)]
+    params = [
+        SamplingParams(temperature=0.9, seed=i, max_tokens=200, structured_outputs=spec) for i in range(8)
+    ]
     results = {}
-    for name, kwargs in {"roomy": {"num_kv_blocks": 512}, "tight": {"num_kv_blocks": 40, "max_num_batched_tokens": 24}}.items():
+    for name, kwargs in {
+        "roomy": {"num_kv_blocks": 512},
+        "tight": {"num_kv_blocks": 40, "max_num_batched_tokens": 24},
+    }.items():
         llm = LLM(tiny_model_dirs["LlamaForCausalLM"], dtype="float32", block_size=8, **kwargs)
         outs = llm.generate(prompts, params)
         results[name] = [o.outputs[0].token_ids for o in outs]

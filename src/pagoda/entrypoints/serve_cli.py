@@ -175,6 +175,9 @@ def _add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> N
 
 
 # ---- shared helpers ---------------------------------------------------------------------------------
+DEMO_MODEL_NAME = "pagoda-demo"
+
+
 def _fail(command: str, message: str) -> int:
     print(f"pagoda {command}: error: {message}", file=sys.stderr)
     return 2
@@ -226,7 +229,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             api_key=args.api_key,
-            served_model_name=args.served_model_name,
+            # The demo model is served under a short name rather than its install path.
+            served_model_name=args.served_model_name or (DEMO_MODEL_NAME if args.model is None else None),
             max_waiting_requests=args.max_waiting_requests,
             shutdown_timeout_s=args.shutdown_timeout,
             log_level=args.log_level,
