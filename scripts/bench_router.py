@@ -661,16 +661,6 @@ def _format_verdict(v: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 # ---- main -----------------------------------------------------------------------------------------------
 def _repo_src() -> Path | None:
     src = Path(__file__).resolve().parents[1] / "src"
@@ -873,7 +863,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": [run.to_dict() for run in runs],
         "verdict": summary,
     }
-    Path(args.result_file).write_text(json.dumps(_json_safe(result), indent=2, allow_nan=False) + "\n")
+    from pagoda.bench.serve import write_json
+
+    write_json(result, args.result_file)
     print(f"result written to {args.result_file}")
     failed = sum(run.summary["failed"] for run in runs)
     if failed:
