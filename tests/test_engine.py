@@ -189,6 +189,8 @@ def test_stop_token_and_min_tokens(tiny_model_dirs):
         ("", SamplingParams(), "empty"),
         ([1] * 300, SamplingParams(), "max_model_len"),
         ([10**9], SamplingParams(), "token id"),
+        ([5, None], SamplingParams(), "token id"),
+        ([5, True], SamplingParams(), "token id"),
     ],
 )
 def test_bad_requests_raise_clear_errors(tiny_model_dirs, prompt, params, message):

@@ -23,16 +23,9 @@ def tokenize_prompt(
         token_ids = list(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
-        bad = next(
-            (
-                t
-                for t in token_ids
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size
-            ),
-            None,
-        )
-        if bad is not None or any(isinstance(t, bool) for t in token_ids):
-            raise ValueError(f"prompt token id {bad!r} is not an integer in [0, {vocab_size})")
+        for t in token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                raise ValueError(f"prompt token id {t!r} is not an integer in [0, {vocab_size})")
     else:
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     if not token_ids:
