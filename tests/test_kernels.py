@@ -1,4 +1,5 @@
-"""The small-M bf16 CPU linear kernel against an fp32-accumulated reference, and its fallbacks."""
+"""The packed bf16 CPU GEMM kernel against an fp64 reference, the layers that use it, and its
+fallbacks."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.kernels import cpu_gemv
+from pagoda.kernels import cpu_gemm
+from pagoda.layers import GateUpLinear, Linear, PackedLinear
 
 requires_kernel = pytest.mark.skipif(
-    not cpu_gemv.available(),
-    reason=f"CPU bf16 GEMV kernel unavailable: {cpu_gemv.unavailable_reason() or 'build failed'}",
+    not cpu_gemm.available(),
+    reason=f"CPU bf16 GEMM kernel unavailable: {cpu_gemm.unavailable_reason() or 'build failed'}",
 )
 
 
@@ -26,107 +28,168 @@ def _make(m: int, n: int, k: int, bias: bool, seed: int = 0):
     return x, w, b
 
 
-def _assert_close_to_fp32(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
-    """y must be the fp32 result rounded to bf16: within half a bf16 ulp plus fp32 summation error."""
-    ref = x.float() @ w.float().T
+def _reference(x, w, b):
+    """The exact product in fp64 and the sum of absolute terms (a bound on summation error)."""
+    ref = x.double() @ w.double().T
     if b is not None:
-        ref = ref + b.float()
-    assert y.dtype == torch.bfloat16
+        ref = ref + b.double()
+    return ref, x.double().abs() @ w.double().abs().T
+
+
+def _assert_close(y: torch.Tensor, ref: torch.Tensor, abs_sum: torch.Tensor) -> None:
+    """y must be the exact result with fp32 summation error, rounded once to y's dtype."""
+    ulp = 2.0**-8 if y.dtype == torch.bfloat16 else 2.0**-23
+    tol = ref.abs() * ulp + abs_sum * 2.0**-20 + 1e-30
+    err = (y.double() - ref).abs()
     assert y.shape == ref.shape
-    abs_sum = x.float().abs() @ w.float().abs().T
-    tol = ref.abs() * 2.0**-8 + abs_sum * 2.0**-16 + 1e-30
-    err = (y.float() - ref).abs()
-    assert torch.all(err <= tol), f"max error {err.max().item()} exceeds bf16 rounding"
+    assert torch.all(err <= tol), f"max error {err.max().item()} over tolerance"
 
 
 @requires_kernel
-@pytest.mark.parametrize("m", range(1, cpu_gemv.MAX_M + 1))
+@pytest.mark.parametrize("m", [*range(1, 17), 29, 32, 57, 300, 600])
+@pytest.mark.parametrize(("n", "k"), [(37, 100), (1, 31), (64, 1), (5, 0), (200, 70)])
+def test_plain_matches_reference(m: int, n: int, k: int) -> None:
+    x, w, b = _make(m, n, k, bias=m % 2 == 0, seed=m)
+    packed = cpu_gemm.pack(w, b)
+    ref, abs_sum = _reference(x, w, b)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        y = cpu_gemm.linear(x, packed, out_dtype=out_dtype)
+        assert y.dtype == out_dtype
+        _assert_close(y, ref, abs_sum)
+
+
+@requires_kernel
+@pytest.mark.parametrize("m", [1, 3, 7, 14, 33, 300])
+@pytest.mark.parametrize("intermediate", [1, 16, 37, 96])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize(("n", "k"), [(37, 100), (1, 31), (19, 32), (8, 64), (11, 1), (5, 0), (1152, 896)])
-def test_kernel_matches_fp32_reference(m: int, n: int, k: int, bias: bool) -> None:
-    x, w, b = _make(m, n, k, bias)
-    _assert_close_to_fp32(cpu_gemv.linear_small_m(x, w, b), x, w, b)
+def test_swiglu_matches_reference(m: int, intermediate: int, bias: bool) -> None:
+    x, w, b = _make(m, 2 * intermediate, 48, bias=bias, seed=intermediate)
+    packed = cpu_gemm.pack(w, b, swiglu=True)
+    assert packed.out_features == intermediate
+    h, abs_sum = _reference(x, w, b)
+    gate, up = h[:, :intermediate], h[:, intermediate:]
+    ref = F.silu(gate) * up
+    # Error of silu(g) * u from the sums' error: |silu'(g)| <= 1.1, |silu(g)| <= |g|.
+    sum_err = abs_sum * 2.0**-20
+    tol_in = 1.1 * sum_err[:, :intermediate] * up.abs() + gate.abs() * sum_err[:, intermediate:]
+    y = cpu_gemm.linear(x, packed, out_dtype=torch.float32)
+    err = (y.double() - ref).abs()
+    assert torch.all(err <= ref.abs() * 1e-6 + tol_in + 1e-30), err.max().item()
+    y16 = cpu_gemm.linear(x, packed)
+    assert y16.dtype == torch.bfloat16
+    assert torch.all((y16.double() - ref).abs() <= ref.abs() * 2.0**-8 + tol_in + 1e-30)
 
 
 @requires_kernel
-@pytest.mark.parametrize("m", [1, 3, 8])
-def test_kernel_parallel_split_matches_single_thread(m: int) -> None:
-    # Large enough to be split over threads; every row's sum order is fixed, so results are equal.
+@pytest.mark.parametrize(("n", "swiglu"), [(45, False), (64, False), (2 * 37, True)])
+def test_unpack_and_gather_rows_return_the_original(n: int, swiglu: bool) -> None:
+    _, w, b = _make(1, n, 24, bias=True)
+    packed = cpu_gemm.pack(w, b, swiglu=swiglu)
+    assert torch.equal(cpu_gemm.unpack(packed), w)
+    if not swiglu:
+        ids = torch.tensor([[0, 31, 32, n - 1], [16, 15, 1, 2]])
+        assert torch.equal(cpu_gemm.gather_rows(packed, ids), w[ids])
+
+
+@requires_kernel
+@pytest.mark.parametrize("m", [1, 5, 32, 600])
+def test_thread_count_does_not_change_results(m: int) -> None:
+    # Every output's summation order is fixed, so any split over threads gives equal bits.
     x, w, b = _make(m, 4099, 300, bias=True)
+    packed = cpu_gemm.pack(w, b)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = cpu_gemv.linear_small_m(x, w, b)
+        single = cpu_gemm.linear(x, packed)
         torch.set_num_threads(max(2, before))
-        multi = cpu_gemv.linear_small_m(x, w, b)
+        multi = cpu_gemm.linear(x, packed)
     finally:
         torch.set_num_threads(before)
-    _assert_close_to_fp32(multi, x, w, b)
     assert torch.equal(single, multi)
 
 
 @requires_kernel
-def test_kernel_accepts_strided_inputs() -> None:
-    x, w, b = _make(4, 67, 130, bias=True)
-    x_cols = torch.zeros(4, 260, dtype=torch.bfloat16)
-    x_cols[:, ::2] = x  # column stride 2
-    x_t = x.T.contiguous().T  # column-major
-    w_rows = torch.zeros(67, 200, dtype=torch.bfloat16)
-    w_rows[:, :130] = w  # row stride 200, unit column stride
-    w_cols = w.T.contiguous().T  # column-major weight is copied
-    b_strided = torch.zeros(134, dtype=torch.bfloat16)
-    b_strided[::2] = b
-    expected = cpu_gemv.linear_small_m(x, w, b)
-    for xi, wi, bi in [
-        (x_cols[:, ::2], w, b),
-        (x_t, w, b),
-        (x, w_rows[:, :130], b),
-        (x, w_cols, b),
-        (x, w, b_strided[::2]),
-    ]:
-        assert torch.equal(cpu_gemv.linear_small_m(xi, wi, bi), expected)
+def test_inputs_of_any_layout_and_fp32() -> None:
+    x, w, b = _make(6, 67, 130, bias=True)
+    packed = cpu_gemm.pack(w, b)
+    expected = cpu_gemm.linear(x, packed)
+    x_cols = torch.zeros(6, 260, dtype=torch.bfloat16)
+    x_cols[:, ::2] = x
+    for xi in (x_cols[:, ::2], x.T.contiguous().T, x.float()):
+        assert torch.equal(cpu_gemm.linear(xi, packed), expected)
+    assert torch.equal(cpu_gemm.linear(x.reshape(2, 3, 130), packed), expected.reshape(2, 3, 67))
+    assert torch.equal(cpu_gemm.linear(x[0], packed), expected[0])
+    assert cpu_gemm.linear(x[:0], packed).shape == (0, 67)
 
 
 @requires_kernel
-def test_kernel_runs_in_inference_mode_with_trainable_weight() -> None:
-    x, w, b = _make(2, 21, 40, bias=True)
-    expected = cpu_gemv.linear_small_m(x, w, b)
-    with torch.inference_mode():
-        assert torch.equal(cpu_gemv.linear_small_m(x, w.clone().requires_grad_(), b), expected)
+def test_bad_input_is_rejected() -> None:
+    x, w, b = _make(2, 6, 4, bias=True)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_gemm.pack(w.float())
+    with pytest.raises(ValueError, match="even number of rows"):
+        cpu_gemm.pack(w[:5], swiglu=True)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_gemm.pack(w, b[:5])
+    packed = cpu_gemm.pack(w, b)
+    with pytest.raises(ValueError, match="features"):
+        cpu_gemm.linear(torch.zeros(2, 5, dtype=torch.bfloat16), packed)
+    with pytest.raises(ValueError, match="out_dtype"):
+        cpu_gemm.linear(x, packed, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="autograd"):
+        cpu_gemm.linear(x.float().requires_grad_(), packed)
+    with pytest.raises(ValueError, match="plain"):
+        cpu_gemm.gather_rows(cpu_gemm.pack(w, swiglu=True), torch.tensor([0]))
+
+
+def _load(layer: torch.nn.Module, generator: torch.Generator) -> None:
+    for param in layer.parameters():
+        param.copy_(torch.randn(param.shape, generator=generator))
 
 
 @requires_kernel
-def test_linear_dispatcher_uses_kernel_for_small_bf16_batches() -> None:
-    x, w, b = _make(6, 45, 70, bias=True)
-    out = cpu_gemv.linear(x.reshape(2, 3, 70), w, b)
-    assert out.shape == (2, 3, 45)
-    assert torch.equal(out.reshape(6, 45), cpu_gemv.linear_small_m(x, w, b))
-    vector_out = cpu_gemv.linear(x[0], w, b)
-    assert vector_out.shape == (45,)
-    assert torch.equal(vector_out, cpu_gemv.linear_small_m(x[:1], w, b)[0])
+def test_layers_pack_bf16_weights_and_keep_their_results() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 40, generator=g).bfloat16()
+    plain, packed_linear = (
+        Linear(40, 24, True, torch.bfloat16),
+        PackedLinear(40, [("a", 8), ("b", 20)], True, torch.bfloat16),
+    )
+    gate_up = GateUpLinear(40, 19, True, torch.bfloat16)
+    for layer in (plain, packed_linear, gate_up):
+        _load(layer, g)
+        before = layer(x).double()
+        weight = layer.weight.detach().clone()
+        layer.process_weights_after_loading()
+        assert layer.packed is not None and layer.weight is None and layer.bias is None
+        assert torch.equal(cpu_gemm.unpack(layer.packed), weight)
+        after = layer(x)
+        assert after.dtype == torch.bfloat16 and after.shape == before.shape
+        torch.testing.assert_close(after.double(), before, atol=0.1, rtol=2e-2)
+    assert gate_up(x).shape == (9, 19)
 
 
-def test_linear_dispatcher_falls_back_to_f_linear() -> None:
-    x, w, b = _make(cpu_gemv.MAX_M + 1, 33, 40, bias=True)
-    assert torch.equal(cpu_gemv.linear(x, w, b), F.linear(x, w, b))  # too many rows
-    xf, wf, bf = x.float(), w.float(), b.float()
-    assert torch.equal(cpu_gemv.linear(xf[:2], wf, bf), F.linear(xf[:2], wf, bf))  # not bf16
-    empty = torch.zeros(0, 40, dtype=torch.bfloat16)
-    assert cpu_gemv.linear(empty, w, b).shape == (0, 33)
-    w_grad = w.clone().requires_grad_()
-    out = cpu_gemv.linear(x[:2], w_grad, b)
-    assert out.requires_grad  # autograd-tracked inputs go through F.linear
+def test_float32_layers_stay_unpacked() -> None:
+    layer = Linear(8, 4, False, torch.float32)
+    _load(layer, torch.Generator().manual_seed(0))
+    layer.process_weights_after_loading()
+    assert layer.packed is None and layer.weight is not None
 
 
-def test_disabled_by_environment_uses_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_gemv.DISABLE_ENV, "1")
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_gemm.DISABLE_ENV, "1")
     # The environment is read once per process, at first use: start from a fresh, unresolved kernel.
-    monkeypatch.setattr(cpu_gemv, "_KERNEL", cpu_gemv._LazyKernel(cpu_gemv._build_extension))
-    assert cpu_gemv.DISABLE_ENV in (cpu_gemv.unavailable_reason() or "")
-    assert not cpu_gemv.available()
-    x, w, b = _make(3, 29, 50, bias=True)
-    assert torch.equal(cpu_gemv.linear_small_m(x, w, b), F.linear(x, w, b))
-    assert torch.equal(cpu_gemv.linear(x, w, b), F.linear(x, w, b))
+    monkeypatch.setattr(cpu_gemm, "_KERNEL", cpu_gemm._Lazy(cpu_gemm._build))
+    assert cpu_gemm.DISABLE_ENV in (cpu_gemm.unavailable_reason() or "")
+    assert not cpu_gemm.available()
+    layer = Linear(8, 4, True, torch.bfloat16)
+    _load(layer, torch.Generator().manual_seed(0))
+    layer.process_weights_after_loading()
+    assert layer.packed is None
+    x = torch.randn(3, 8).bfloat16()
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cpu_gemm.pack(layer.weight)
 
 
 def test_build_failure_is_logged_once_and_disables(caplog: pytest.LogCaptureFixture) -> None:
@@ -136,10 +199,10 @@ def test_build_failure_is_logged_once_and_disables(caplog: pytest.LogCaptureFixt
         calls.append(1)
         raise RuntimeError("no compiler")
 
-    kernel = cpu_gemv._LazyKernel(failing_build)
-    with caplog.at_level(logging.WARNING, logger=cpu_gemv.__name__):
-        assert kernel.get() is None
-        assert kernel.get() is None
+    kernel = cpu_gemm._Lazy(failing_build)
+    with caplog.at_level(logging.WARNING, logger=cpu_gemm.__name__):
+        assert kernel.get() is False
+        assert kernel.get() is False
     assert len(calls) == 1
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
@@ -152,9 +215,9 @@ def test_build_runs_once_across_threads() -> None:
     def slow_build():
         calls.append(1)
         time.sleep(0.05)
-        return F.linear
+        return True
 
-    kernel = cpu_gemv._LazyKernel(slow_build)
+    kernel = cpu_gemm._Lazy(slow_build)
     results = []
     threads = [threading.Thread(target=lambda: results.append(kernel.get())) for _ in range(8)]
     for t in threads:
@@ -162,36 +225,11 @@ def test_build_runs_once_across_threads() -> None:
     for t in threads:
         t.join()
     assert len(calls) == 1
-    assert results == [F.linear] * 8
-
-
-@pytest.mark.parametrize(
-    ("x_shape", "w_shape", "b_shape", "dtype", "match"),
-    [
-        ((4,), (3, 4), None, torch.bfloat16, "2-D"),
-        ((2, 4), (3, 5), None, torch.bfloat16, "features"),
-        ((0, 4), (3, 4), None, torch.bfloat16, "rows"),
-        ((cpu_gemv.MAX_M + 1, 4), (3, 4), None, torch.bfloat16, "rows"),
-        ((2, 4), (3, 4), (4,), torch.bfloat16, "bias"),
-        ((2, 4), (3, 4), None, torch.float32, "bfloat16"),
-    ],
-)
-def test_linear_small_m_rejects_bad_input(x_shape, w_shape, b_shape, dtype, match) -> None:
-    x = torch.zeros(x_shape, dtype=dtype)
-    w = torch.zeros(w_shape, dtype=dtype)
-    b = None if b_shape is None else torch.zeros(b_shape, dtype=dtype)
-    with pytest.raises(ValueError, match=match):
-        cpu_gemv.linear_small_m(x, w, b)
-
-
-def test_linear_small_m_rejects_autograd() -> None:
-    x, w, _ = _make(2, 3, 4, bias=False)
-    with pytest.raises(ValueError, match="autograd"):
-        cpu_gemv.linear_small_m(x, w.requires_grad_())
+    assert results == [True] * 8
 
 
 def test_bench_cli_rejects_bad_arguments() -> None:
     with pytest.raises(SystemExit):
-        cpu_gemv.main([])
+        cpu_gemm.main([])
     with pytest.raises(SystemExit):
-        cpu_gemv.main(["--bench", "--m", "0"])
+        cpu_gemm.main(["--bench", "--m", "0"])

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from conftest import TINY_DIMS, TINY_VARIANTS
-from pagoda.layers import Linear
+from pagoda.kernels import cpu_gemm
+from pagoda.layers import Linear, PackedLinear
 from pagoda.layers.precision import FP32_MIN_ROWS, upcast_to_fp32
 from pagoda.layers.rotary import RopeConfig
 from pagoda.models import CausalLM, load_model, parse_hf_config, supported_architectures
@@ -175,6 +176,28 @@ def test_half_precision_runs_close_to_float32(dtype, tiny_model_dirs, paged_harn
     assert logits.dtype == torch.float32
     reference = hf_logits(hf_model(path), prompt)
     assert (logits - reference).abs().max() < 0.15 * reference.abs().max()
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="CPU bf16 GEMM kernel unavailable")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_weights_are_packed_for_the_cpu_kernel(arch, tiny_model_dirs, paged_harness, monkeypatch):
+    path = tiny_model_dirs[arch]
+    packed = load_model(path, torch.bfloat16)
+    layers = [m for m in packed.modules() if isinstance(m, Linear | PackedLinear)] + [packed.lm_head]
+    assert layers and all(m.packed is not None and m.weight is None for m in layers)
+    tied = packed.config.tie_word_embeddings
+    assert (packed.model.embed_tokens.weight is None) == tied
+    monkeypatch.setattr(CausalLM, "process_weights_after_loading", lambda self: None)
+    plain = load_model(path, torch.bfloat16)
+    assert plain.lm_head.packed is None
+    prompt, decodes = random_tokens(21, 12), random_tokens(3, 13)
+    got = {}
+    for name, model in (("packed", packed), ("plain", plain)):
+        runner = Runner(model, paged_harness)
+        rows = [runner.step([("a", prompt)])["a"]] + [runner.step([("a", [t])])["a"] for t in decodes]
+        got[name] = torch.cat(rows)
+    # Same weights, different (more precise) arithmetic: bf16-level agreement.
+    assert (got["packed"] - got["plain"]).abs().max() < 0.05 * got["plain"].abs().max()
 
 
 def test_compute_logits_only_on_given_rows(tiny_model_dirs, paged_harness):

@@ -2,6 +2,9 @@
 
 `PackedLinear` fuses several checkpoint projections into one GEMM (q/k/v → qkv_proj,
 gate/up → gate_up_proj): each checkpoint tensor names its shard and is copied into its rows.
+After loading, `process_weights_after_loading` repacks bf16 CPU weights for the native kernel
+(`pagoda.kernels.cpu_gemm`) where it runs; the layer then owns a `PackedWeight` instead of its
+`weight` and `bias` parameters.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels import cpu_gemv
+from pagoda.kernels import cpu_gemm
 from pagoda.layers.precision import upcast_to_fp32
 
 ShardId = str | int
@@ -30,10 +33,8 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear`, with a bandwidth-bound kernel for a few bf16 rows on the CPU (decode), and in
-    float32 where that is faster for many rows (see `pagoda.layers.precision`)."""
-    if x.shape[0] <= cpu_gemv.MAX_M:
-        return cpu_gemv.linear(x, weight, bias)  # F.linear where the kernel does not apply
+    """`F.linear` on an unpacked weight, in float32 where that is faster for many bf16 rows
+    (see `pagoda.layers.precision`)."""
     if upcast_to_fp32(x, x.shape[0]):
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
@@ -45,8 +46,28 @@ def new_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return param
 
 
-class Linear(nn.Module):
-    """`y = x W^T + b` with plain (unpacked) parameters."""
+class _LinearBase(nn.Module):
+    """`y = x W^T + b`; after loading, the weight may move into the kernel's packed layout."""
+
+    # Pack a `[gate; up]` weight so that the kernel returns silu(gate) * up (see GateUpLinear).
+    _swiglu = False
+    packed: cpu_gemm.PackedWeight | None = None
+
+    def process_weights_after_loading(self) -> None:
+        if self.weight is None or not cpu_gemm.applies_to(self.weight):
+            return
+        self.packed = cpu_gemm.pack(self.weight, self.bias, swiglu=self._swiglu)
+        self.weight = None  # the packed copy replaces the parameters
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_gemm.linear(x, self.packed)
+        return linear(x, self.weight, self.bias)
+
+
+class Linear(_LinearBase):
+    """`y = x W^T + b` with plain (unfused) parameters."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -55,11 +76,8 @@ class Linear(nn.Module):
         self.weight = new_parameter(out_features, in_features, dtype=dtype)
         self.bias = new_parameter(out_features, dtype=dtype) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
 
-
-class PackedLinear(nn.Module):
+class PackedLinear(_LinearBase):
     """Several projections of the same input stacked along the output dimension.
 
     `shards` lists `(shard_id, out_features)` in output order; the checkpoint tensor for shard
@@ -101,5 +119,20 @@ class PackedLinear(nn.Module):
         offset, size = self.shard_slices[shard_id]
         _copy_checked(param.data.narrow(0, offset, size), loaded, f"shard {shard_id!r}")
 
+
+class GateUpLinear(PackedLinear):
+    """The `[gate | up]` projection of a gated MLP, applied as `silu(gate) * up`; the kernel
+    fuses the activation into the GEMM."""
+
+    _swiglu = True
+
+    def __init__(self, in_features: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(in_features, [(0, intermediate_size), (1, intermediate_size)], bias, dtype)
+        self.intermediate_size = intermediate_size
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        """`silu(x G^T + b_g) * (x U^T + b_u)`, `[..., intermediate_size]`."""
+        if self.packed is not None:
+            return cpu_gemm.linear(x, self.packed)
+        gate_up = linear(x, self.weight, self.bias)
+        return F.silu(gate_up[..., : self.intermediate_size]) * gate_up[..., self.intermediate_size :]

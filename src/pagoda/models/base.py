@@ -114,6 +114,12 @@ class CausalLM(nn.Module, ABC):
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing weights for: {shown}")
 
+    def process_weights_after_loading(self) -> None:
+        """Let each layer convert its loaded weights for inference (e.g. repack them for a kernel)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+
     def _is_tied_duplicate(self, ckpt_name: str) -> bool:
         return self.config.tie_word_embeddings and ckpt_name == "lm_head.weight"
 

@@ -13,10 +13,9 @@ from torch import nn
 
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.metadata import AttentionMetadata
-from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention
 from pagoda.layers.embedding import LMHead, VocabEmbedding
-from pagoda.layers.linear import Linear, PackedLinear, ShardId
+from pagoda.layers.linear import GateUpLinear, Linear, PackedLinear, ShardId
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
 from pagoda.models.base import CausalLM
@@ -86,12 +85,11 @@ class DecoderMLP(nn.Module):
     def __init__(self, config: ModelArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = PackedLinear(config.hidden_size, [(0, size), (1, size)], config.mlp_bias, dtype)
-        self.act = SiluAndMul()
+        self.gate_up_proj = GateUpLinear(config.hidden_size, size, config.mlp_bias, dtype)
         self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias, dtype=dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+        return self.down_proj(self.gate_up_proj(hidden))
 
 
 class DecoderLayer(nn.Module):
@@ -171,6 +169,11 @@ class DecoderForCausalLM(CausalLM):
             dtype,
             tied_weight=self.model.embed_tokens.weight if config.tie_word_embeddings else None,
         )
+
+    def process_weights_after_loading(self) -> None:
+        super().process_weights_after_loading()
+        if self.config.tie_word_embeddings and self.lm_head.packed is not None:
+            self.model.embed_tokens.use_packed(self.lm_head.packed)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata

@@ -33,6 +33,7 @@ def load_model(
     with torch.device(device):
         model = family.model_cls(config, backend, dtype)
     model.load_weights(iter_checkpoint(files))
+    model.process_weights_after_loading()
     return model.eval()
 
 
