@@ -1,5 +1,5 @@
-"""The packed bf16 CPU GEMM kernel against an fp64 reference, the layers that use it, and its
-fallbacks."""
+"""The CPU kernels against fp64 references (packed bf16 GEMM, RMSNorm, paged decode attention),
+the layers that use them, and their fallbacks."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.kernels import cpu_gemm
-from pagoda.layers import GateUpLinear, Linear, PackedLinear
+from pagoda.kernels import build, cpu_gemm, cpu_ops
+from pagoda.layers import GateUpLinear, Linear, PackedLinear, RMSNorm
 
 requires_kernel = pytest.mark.skipif(
-    not cpu_gemm.available(),
-    reason=f"CPU bf16 GEMM kernel unavailable: {cpu_gemm.unavailable_reason() or 'build failed'}",
+    not build.available(),
+    reason=f"CPU kernels unavailable: {build.unavailable_reason() or 'build failed'}",
 )
 
 
@@ -176,12 +176,98 @@ def test_float32_layers_stay_unpacked() -> None:
     assert layer.packed is None and layer.weight is not None
 
 
+@requires_kernel
+@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("hidden", [16, 64, 100])
+def test_rms_norm_rounds_like_the_torch_path(rows: int, hidden: int) -> None:
+    g = torch.Generator().manual_seed(hidden)
+    norm = RMSNorm(hidden, 1e-6, torch.bfloat16)
+    norm.weight.copy_(torch.randn(hidden, generator=g))
+    x = (torch.randn(rows, 3, hidden, generator=g) * 4).bfloat16()
+    residual = torch.randn(rows, 3, hidden, generator=g).bfloat16()
+    out, summed = cpu_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(summed, residual + x)
+    torch.testing.assert_close(out, norm._norm(residual + x), atol=0, rtol=2**-7)  # one bf16 ulp at most
+    alone, same = cpu_ops.add_rms_norm(x[:, 0], None, norm.weight, norm.eps)
+    assert same is not None and torch.equal(same, x[:, 0])
+    torch.testing.assert_close(alone, norm._norm(x[:, 0]), atol=0, rtol=2**-7)
+
+
+def _dense_decode(q, keys, values, scale, window):
+    """fp64 attention of one query per sequence over its key/value rows (a list per sequence)."""
+    out = []
+    for b, (k, v) in enumerate(zip(keys, values, strict=True)):
+        if window:
+            k, v = k[-window:], v[-window:]
+        group = q.shape[1] // k.shape[1]
+        k = k.double().repeat_interleave(group, dim=1)
+        v = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[b].double(), k) * scale
+        out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+@requires_kernel
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(4, 4, 16), (14, 2, 64), (6, 1, 80), (8, 2, 128)]
+)
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("window", [None, 1, 7])
+def test_paged_decode_attention_matches_dense(heads, kv_heads, head_dim, block_size, window) -> None:
+    g = torch.Generator().manual_seed(head_dim + block_size)
+    num_blocks, lens = 128, [1, 9, 33, 70]
+    # Slots no sequence owns hold large garbage: only the block tables may lead to data.
+    cache = (torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g) * 100).bfloat16()
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    width = -(-max(lens) // block_size)
+    tables = torch.zeros(len(lens), width + 2, dtype=torch.int32)
+    keys, values = [], []
+    for b, n in enumerate(lens):
+        blocks = [free.pop() for _ in range(-(-n // block_size))]
+        tables[b, : len(blocks)] = torch.tensor(blocks)
+        k = torch.randn(n, kv_heads, head_dim, generator=g).bfloat16()
+        v = torch.randn(n, kv_heads, head_dim, generator=g).bfloat16()
+        for t in range(n):
+            cache[0, blocks[t // block_size], t % block_size] = k[t]
+            cache[1, blocks[t // block_size], t % block_size] = v[t]
+        keys.append(k)
+        values.append(v)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).bfloat16()
+    scale = head_dim**-0.5
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = cpu_ops.paged_decode_attention(q, cache, tables, seq_lens, scale, window)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    expected = _dense_decode(q, keys, values, scale, window)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2**-7)
+    # A strided query (a view into a wider qkv row) gives the same result.
+    wide = torch.zeros(len(lens), heads + 3, head_dim, dtype=torch.bfloat16)
+    wide[:, :heads] = q
+    assert torch.equal(
+        cpu_ops.paged_decode_attention(wide[:, :heads], cache, tables, seq_lens, scale, window), out
+    )
+
+
+@requires_kernel
+def test_paged_decode_attention_rejects_bad_tables() -> None:
+    cache = torch.zeros(2, 4, 2, 1, 16, dtype=torch.bfloat16)
+    q = torch.zeros(1, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_ops.paged_decode_attention(
+            q, cache, torch.tensor([[7]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32), 1.0, None
+        )
+    with pytest.raises(RuntimeError, match="beyond its block table"):
+        cpu_ops.paged_decode_attention(
+            q, cache, torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 1.0, None
+        )
+
+
 def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_gemm.DISABLE_ENV, "1")
-    # The environment is read once per process, at first use: start from a fresh, unresolved kernel.
-    monkeypatch.setattr(cpu_gemm, "_KERNEL", cpu_gemm._Lazy(cpu_gemm._build))
-    assert cpu_gemm.DISABLE_ENV in (cpu_gemm.unavailable_reason() or "")
-    assert not cpu_gemm.available()
+    monkeypatch.setenv(build.DISABLE_ENV, "1")
+    # The environment is read once per process, at first use: start from a fresh, unresolved build.
+    monkeypatch.setattr(build, "_KERNELS", build.LazyBuild(build._build))
+    assert build.DISABLE_ENV in (build.unavailable_reason() or "")
+    assert not build.available()
+    assert not cpu_ops.applies(torch.zeros(1, dtype=torch.bfloat16))
     layer = Linear(8, 4, True, torch.bfloat16)
     _load(layer, torch.Generator().manual_seed(0))
     layer.process_weights_after_loading()
@@ -199,8 +285,8 @@ def test_build_failure_is_logged_once_and_disables(caplog: pytest.LogCaptureFixt
         calls.append(1)
         raise RuntimeError("no compiler")
 
-    kernel = cpu_gemm._Lazy(failing_build)
-    with caplog.at_level(logging.WARNING, logger=cpu_gemm.__name__):
+    kernel = build.LazyBuild(failing_build)
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
         assert kernel.get() is False
         assert kernel.get() is False
     assert len(calls) == 1
@@ -217,7 +303,7 @@ def test_build_runs_once_across_threads() -> None:
         time.sleep(0.05)
         return True
 
-    kernel = cpu_gemm._Lazy(slow_build)
+    kernel = build.LazyBuild(slow_build)
     results = []
     threads = [threading.Thread(target=lambda: results.append(kernel.get())) for _ in range(8)]
     for t in threads:

@@ -7,7 +7,9 @@ Decodes run as one batched call: their blocks are gathered through the block tab
 `[B, max_len, num_kv_heads, head_dim]` and masked per sequence length. Prefills (and prompt chunks)
 run one sequence at a time; a prompt with no cached context attends to its own fresh K/V with
 `is_causal`, otherwise its context is gathered from the cache and masked bottom-right causally.
-Long bfloat16 prefills on CPUs without AMX run in float32 (see `pagoda.layers.precision`).
+Long bfloat16 prefills on CPUs without AMX run in float32 (see `pagoda.layers.precision`); bf16
+decodes on AVX512-BF16 CPUs run in a native kernel that reads the blocks in place
+(`pagoda.kernels.cpu_ops`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 
 from pagoda.attention.backend import AttentionBackend, register_attention_backend
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.kernels import cpu_ops
 from pagoda.layers.precision import upcast_to_fp32
 
 
@@ -71,6 +74,10 @@ class TorchPagedAttention(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         batch = q.shape[0]
+        if cpu_ops.applies(q, kv_cache):
+            return cpu_ops.paged_decode_attention(
+                q, kv_cache, md.block_tables, md.seq_lens, self.scale, self.sliding_window
+            )
         block_size = md.block_size
         max_len = max(md.seq_lens_cpu[:batch])
         num_blocks = -(-max_len // block_size)

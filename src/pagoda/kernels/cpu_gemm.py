@@ -9,9 +9,8 @@ close to the fp32 peak, and a single decode stream runs close to memory bandwidt
 SwiGLU (`silu(gate) * up`) into the gate/up projection.
 
 `pack(weight, bias)` returns a `PackedWeight`; `linear(x, packed)` computes `x @ weight.T + bias`.
-The kernel is optional: `available()` is False off Linux x86-64, on CPUs without AVX512-BF16,
-when `PAGODA_DISABLE_CPU_KERNELS=1`, or when compiling fails (logged once); layers then keep
-their weights unpacked and use `F.linear`. The build is cached in torch's extension directory.
+Where the kernels cannot run (`pagoda.kernels.build.available()` is False) layers keep their
+weights unpacked and use `F.linear`.
 
 Benchmark: `python -m pagoda.kernels.cpu_gemm --bench`.
 """
@@ -19,105 +18,20 @@ Benchmark: `python -m pagoda.kernels.cpu_gemm --bench`.
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import math
-import os
-import platform
 import statistics
-import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from pagoda.kernels.build import available, unavailable_reason
 
-DISABLE_ENV = "PAGODA_DISABLE_CPU_KERNELS"
 PANEL = 32
-_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-_SOURCE = Path(__file__).parent / "csrc" / "gemm_bf16.cpp"
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bf16", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
 _PLAIN, _SWIGLU = 0, 1
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
-
-
-def unavailable_reason() -> str | None:
-    """Why the kernel cannot be used here without compiling it, or None if it may be."""
-    if os.environ.get(DISABLE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}:
-        return f"disabled by {DISABLE_ENV}"
-    if not sys.platform.startswith("linux") or platform.machine().lower() not in {"x86_64", "amd64"}:
-        return f"needs Linux on x86-64, running {sys.platform} on {platform.machine()}"
-    missing = [flag for flag in _REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
-    if missing:
-        return f"CPU lacks {', '.join(missing)}"
-    return None
-
-
-def _build() -> bool:
-    """True once the ops are registered; False where they cannot run; raises if compiling fails."""
-    reason = unavailable_reason()
-    if reason is not None:
-        logger.debug("CPU bf16 GEMM kernel not used: %s", reason)
-        return False
-    from torch.utils.cpp_extension import load
-
-    load(
-        name="pagoda_cpu_gemm",
-        sources=[str(_SOURCE)],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
-    return True
-
-
-class _Lazy:
-    """Builds the kernel on first use, once per process, from any thread."""
-
-    def __init__(self, build: Callable[[], bool]) -> None:
-        self._build = build
-        self._lock = threading.Lock()
-        self._resolved = False
-        self._ok = False
-
-    def get(self) -> bool:
-        if self._resolved:
-            return self._ok
-        with self._lock:
-            if not self._resolved:
-                try:
-                    self._ok = self._build()
-                except Exception as exc:  # a failed build must leave pagoda working on F.linear
-                    logger.warning(
-                        "CPU bf16 GEMM kernel unavailable, using F.linear: build failed: %.2000s", exc
-                    )
-                self._resolved = True
-        return self._ok
-
-
-_KERNEL = _Lazy(_build)
-
-
-def available() -> bool:
-    """True if the kernel runs here; compiles it on the first call (seconds, cached across runs)."""
-    return _KERNEL.get()
 
 
 def applies_to(weight: torch.Tensor) -> bool:

@@ -25,6 +25,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "vec_avx512.h"
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -34,6 +36,8 @@
 #include <vector>
 
 namespace {
+
+using namespace pagoda_vec;
 
 constexpr int kPanel = 32;    // output columns per panel
 constexpr int kMaxMR = 14;    // rows per micro-tile: 2 * 14 accumulators + 2 weight registers
@@ -84,29 +88,7 @@ at::Tensor pack_weight(const at::Tensor& w, bool swiglu) {
 
 // ---- micro-kernel ----------------------------------------------------------------------------
 
-inline __m512 widen_low(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
-inline __m512 widen_high(__m512i v) {
-  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-// silu(g) = g / (1 + exp(-g)), exp by range reduction to [-ln2/2, ln2/2] and a degree-6
-// polynomial (relative error ~2e-7, far below bf16 rounding).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
+// silu(g) * u = g / (1 + exp(-g)) * u.
 inline __m512 silu_mul(__m512 gate, __m512 up) {
   const __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
   return _mm512_mul_ps(_mm512_div_ps(gate, denom), up);
@@ -120,11 +102,6 @@ struct Out {
   const float* bias;   // [n_valid] (plain) or [2 * n_valid] gate then up (SwiGLU), or nullptr
   Epilogue epilogue;
 };
-
-inline __mmask16 tail_mask(int64_t left) {
-  if (left <= 0) return 0;
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-}
 
 // Columns col .. col + 15 of `row` (those below n_valid), already biased.
 inline void store16(const Out& o, int64_t row, int64_t col, __m512 v) {

@@ -1,0 +1,47 @@
+"""bf16 CPU kernels for the decode path (`csrc/decode_ops.cpp`): RMSNorm with a fused residual
+add, and paged decode attention reading K/V through the block tables.
+
+Each wrapper says with `applies(...)` whether it can take the given tensors (bf16 on the CPU,
+kernels built); callers keep their PyTorch path for everything else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.kernels.build import available
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors) and available()
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(weight * norm(s), s)` with `s = x + residual` (or `x`), rounding where transformers' bf16
+    RMSNorm rounds; x is `[..., H]`."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    res = None if residual is None else residual.reshape(-1, shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    if res is not None and res.stride(-1) != 1:
+        res = res.contiguous()
+    out, summed = torch.ops.pagoda_ops.add_rms_norm(flat, res, weight, eps)
+    return out.view(shape), summed.view(shape)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence, `q: [B, H, D]`, over the sequence's
+    `seq_lens[b]` cached positions (its last `sliding_window` only, if set) → `[B, H, D]`."""
+    return torch.ops.pagoda_ops.paged_decode_attention(
+        q, kv_cache, block_tables, seq_lens, scale, sliding_window or 0
+    )

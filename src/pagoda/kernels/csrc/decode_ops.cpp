@@ -1,0 +1,286 @@
+// Small bf16 CPU ops on the decode path, where torch spends more time dispatching a dozen tiny
+// ops than computing: RMSNorm with the residual add fused, and paged decode attention that reads
+// K/V straight from the block tables (no gather, no mask tensor).
+//
+// Numerics: RMSNorm rounds exactly where transformers' bf16 RMSNorm rounds (the sum x + residual,
+// the normalised value, the product with the weight) and keeps the statistics in fp32, so it
+// differs from torch only in the order of the fp32 sum of squares. Attention computes scores,
+// softmax and the weighted sum of V in fp32 and rounds the output once.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "vec_avx512.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using namespace pagoda_vec;
+
+const uint16_t* u16(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>()); }
+uint16_t* u16_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); }
+
+// Rounds each lane to bf16 and back (the value torch would hold in a bf16 tensor).
+inline __m512 round_bf16(__m512 v) {
+  return widen_low(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)));
+}
+
+void check_bf16_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), name, " must be a bfloat16 CPU tensor");
+}
+
+// ---- RMSNorm ---------------------------------------------------------------------------------
+
+// out = weight * bf16(s * rsqrt(mean(s^2) + eps)) with s = bf16(x + residual) (or x); returns
+// (out, s). x and residual are [T, H] with contiguous rows.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_bf16_cpu(x, "x");
+  check_bf16_cpu(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D with contiguous rows");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous(), "weight must be contiguous [", H,
+              "]");
+  if (residual.has_value()) {
+    check_bf16_cpu(*residual, "residual");
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == T && residual->size(1) == H && residual->stride(1) == 1,
+                "residual must be [", T, ", ", H, "] with contiguous rows");
+  }
+  at::Tensor out = at::empty({T, H}, x.options());
+  at::Tensor summed = residual.has_value() ? at::empty({T, H}, x.options()) : x;
+  const uint16_t* w = u16(weight);
+  const uint16_t* xp = u16(x);
+  const uint16_t* rp = residual.has_value() ? u16(*residual) : nullptr;
+  uint16_t* op = u16_mut(out);
+  uint16_t* sp = residual.has_value() ? u16_mut(summed) : nullptr;
+  const int64_t ldx = x.stride(0), ldr = residual.has_value() ? residual->stride(0) : 0;
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(H, 1)), [&](int64_t t0, int64_t t1) {
+    std::vector<float> s(static_cast<size_t>(H));
+    for (int64_t t = t0; t < t1; ++t) {
+      __m512 sq = _mm512_setzero_ps();
+      for (int64_t i = 0; i < H; i += 16) {
+        const __mmask16 m = tail_mask(H - i);
+        __m512 v = load_bf16(xp + t * ldx + i, m);
+        if (rp) {
+          v = round_bf16(_mm512_add_ps(v, load_bf16(rp + t * ldr + i, m)));
+          store_bf16(sp + t * H + i, v, m);
+        }
+        _mm512_mask_storeu_ps(s.data() + i, m, v);
+        sq = _mm512_fmadd_ps(v, v, sq);
+      }
+      const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(H) + static_cast<float>(eps));
+      const __m512 r = _mm512_set1_ps(scale);
+      for (int64_t i = 0; i < H; i += 16) {
+        const __mmask16 m = tail_mask(H - i);
+        const __m512 normed = round_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s.data() + i), r));
+        store_bf16(op + t * H + i, _mm512_mul_ps(load_bf16(w + i, m), normed), m);
+      }
+    }
+  });
+  return {out, summed};
+}
+
+// ---- paged decode attention ------------------------------------------------------------------
+
+// Lane i of the result is the sum of the 16 lanes of v[i]: a transpose-and-add tree.
+inline __m512 sum16(const __m512 v[16]) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // 64-bit shuffles move pairs of sums; the adds stay fp32
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Each 128-bit lane of b[i] now holds, at position j, that lane's sum of v[4i + j]; add the
+  // four lanes of each b[i] together and place them as lanes 4i .. 4i + 3.
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The V rows of one sequence and KV head, read through its block table.
+struct VRows {
+  const uint16_t* cache;
+  const int64_t* offsets;  // element offset of position start + i, for i < len - start
+  int64_t D, start, len;
+  const uint16_t* row(int64_t t) const { return cache + offsets[t - start]; }
+};
+
+// out[g] = sum_t p[g][t] * v[t] for the G query heads of one KV head (p: [G, len - start]), with
+// a tile of heads x C vectors of fp32 sums in registers.
+template <int C>
+void accumulate_v(const VRows& rows, const float* p, int64_t G, uint16_t* out) {
+  constexpr int GT = C == 8 ? 2 : C >= 5 ? 3 : 24 / C;  // GT * C sums + C values + 1 weight <= 32
+  const int64_t n = rows.len - rows.start;
+  for (int64_t g0 = 0; g0 < G; g0 += GT) {
+    const int64_t gt = std::min<int64_t>(GT, G - g0);
+    __m512 acc[GT][C];
+    for (int g = 0; g < GT; ++g)
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t t = rows.start; t < rows.len; ++t) {
+      const uint16_t* v = rows.row(t);
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load_bf16(v + c * 16, tail_mask(rows.D - c * 16));
+      for (int g = 0; g < GT; ++g) {
+        if (g < gt) {
+          const __m512 w = _mm512_set1_ps(p[(g0 + g) * n + (t - rows.start)]);
+          for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+        }
+      }
+    }
+    for (int g = 0; g < gt; ++g)
+      for (int c = 0; c < C; ++c) store_bf16(out + (g0 + g) * rows.D + c * 16, acc[g][c], tail_mask(rows.D - c * 16));
+  }
+}
+
+// q [B, H, D] (one new token per sequence), kv_cache [2, blocks, block_size, Hkv, D]; sequence b
+// attends to its positions [start, seq_lens[b]) read through block_tables[b], where start skips
+// all but the last `window` positions when window > 0.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale, int64_t window) {
+  check_bf16_cpu(q, "q");
+  check_bf16_cpu(kv_cache, "kv_cache");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with contiguous heads");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, blocks, block_size, Hkv, D] tensor");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == D, "kv_cache head_dim ", kv_cache.size(4), " != q head_dim ", D);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "query heads ", H, " are not a multiple of KV heads ", Hkv);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) >= B && block_tables.scalar_type() == at::kInt &&
+                  block_tables.stride(1) == 1 && block_tables.device().is_cpu(),
+              "block_tables must be an int32 CPU tensor [>= B, max_blocks] with contiguous rows");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) >= B && seq_lens.scalar_type() == at::kInt &&
+                  seq_lens.is_contiguous() && seq_lens.device().is_cpu(),
+              "seq_lens must be a contiguous int32 CPU tensor [>= B]");
+  const int64_t G = H / Hkv, C = (D + 15) / 16;
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t ldt = block_tables.stride(0);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && (lens[b] + bs - 1) / bs <= block_tables.size(1), "sequence ", b, " has length ",
+                lens[b], " beyond its block table");
+    for (int64_t j = 0; j < (lens[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tables[b * ldt + j] >= 0 && tables[b * ldt + j] < num_blocks, "sequence ", b, " block ", j,
+                  " is out of range");
+  }
+  at::Tensor out = at::empty({B, H, D}, q.options());
+  const uint16_t* qp = u16(q);
+  const uint16_t* kc = u16(kv_cache);
+  const uint16_t* vc = kc + kv_cache.stride(0);
+  uint16_t* op = u16_mut(out);
+  const int64_t ldq = q.stride(0), ldh = q.stride(1);
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<__m512> qf(static_cast<size_t>(G * C)), acc(static_cast<size_t>(G * C));
+    std::vector<float> kf(static_cast<size_t>(16 * C * 16));
+    std::vector<float> scores;
+    std::vector<int64_t> offsets;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t len = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - start;
+      const int32_t* table = tables + b * ldt;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < C; ++c)
+          qf[g * C + c] = _mm512_mul_ps(load_bf16(qp + b * ldq + (h * G + g) * ldh + c * 16, tail_mask(D - c * 16)),
+                                        _mm512_set1_ps(fscale));
+      scores.resize(static_cast<size_t>(G * n));
+      offsets.resize(static_cast<size_t>(n));
+      for (int64_t t = start, j = start / bs, slot = start % bs; t < len; ++t) {  // no division per position
+        offsets[t - start] = ((static_cast<int64_t>(table[j]) * bs + slot) * Hkv + h) * D;
+        if (++slot == bs) {
+          slot = 0;
+          ++j;
+        }
+      }
+      // Scores 16 positions at a time: widen their K rows once, then one vector of 16 sums per
+      // query head (no horizontal reduction per position).
+      for (int64_t t0 = start; t0 < len; t0 += 16) {
+        const int64_t count = std::min<int64_t>(16, len - t0);
+        for (int64_t j = 0; j < 16; ++j) {
+          const int64_t t = t0 + std::min(j, count - 1);  // pad with the last position
+          const uint16_t* k = kc + offsets[t - start];
+          for (int64_t c = 0; c < C; ++c)
+            _mm512_storeu_ps(kf.data() + (j * C + c) * 16, load_bf16(k + c * 16, tail_mask(D - c * 16)));
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 dots[16];
+          for (int j = 0; j < 16; ++j) dots[j] = _mm512_setzero_ps();
+          for (int64_t c = 0; c < C; ++c) {
+            const __m512 qv = qf[g * C + c];
+            for (int j = 0; j < 16; ++j) dots[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf.data() + (j * C + c) * 16), dots[j]);
+          }
+          _mm512_mask_storeu_ps(scores.data() + g * n + (t0 - start), tail_mask(count), sum16(dots));
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * n;
+        float mx = s[0];
+        for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t += 16) {
+          const __mmask16 m = tail_mask(n - t);
+          const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), _mm512_set1_ps(mx)));
+          _mm512_mask_storeu_ps(s + t, m, e);
+          sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+        }
+        const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+      }
+      const VRows rows{vc, offsets.data(), D, start, len};
+      uint16_t* o = op + (b * H + h * G) * D;
+      switch (C) {
+        case 1: accumulate_v<1>(rows, scores.data(), G, o); break;
+        case 2: accumulate_v<2>(rows, scores.data(), G, o); break;
+        case 3: accumulate_v<3>(rows, scores.data(), G, o); break;
+        case 4: accumulate_v<4>(rows, scores.data(), G, o); break;
+        case 5: accumulate_v<5>(rows, scores.data(), G, o); break;
+        case 6: accumulate_v<6>(rows, scores.data(), G, o); break;
+        case 7: accumulate_v<7>(rows, scores.data(), G, o); break;
+        case 8: accumulate_v<8>(rows, scores.data(), G, o); break;
+        default: {
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t c = 0; c < C; ++c) acc[g * C + c] = _mm512_setzero_ps();
+          for (int64_t t = start; t < len; ++t) {
+            const uint16_t* v = rows.row(t);
+            for (int64_t c = 0; c < C; ++c) {
+              const __m512 v16 = load_bf16(v + c * 16, tail_mask(D - c * 16));
+              for (int64_t g = 0; g < G; ++g)
+                acc[g * C + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * (len - start) + (t - start)]), v16,
+                                                 acc[g * C + c]);
+            }
+          }
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t c = 0; c < C; ++c) store_bf16(o + g * D + c * 16, acc[g * C + c], tail_mask(D - c * 16));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagoda_ops, m) {
+  m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+      "int window) -> Tensor");
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+}
