@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels import build, cpu_gemm, cpu_ops
-from pagoda.layers import GateUpLinear, Linear, PackedLinear, RMSNorm
+from pagoda.layers import GateUpLinear, Linear, PackedLinear, RMSNorm, apply_rotary
 
 requires_kernel = pytest.mark.skipif(
     not build.available(),
@@ -191,6 +191,20 @@ def test_rms_norm_rounds_like_the_torch_path(rows: int, hidden: int) -> None:
     alone, same = cpu_ops.add_rms_norm(x[:, 0], None, norm.weight, norm.eps)
     assert same is not None and torch.equal(same, x[:, 0])
     torch.testing.assert_close(alone, norm._norm(x[:, 0]), atol=0, rtol=2**-7)
+
+
+@requires_kernel
+@pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(1, 16, 64), (7, 3, 16), (5, 2, 80)])
+def test_rotary_in_place_equals_the_torch_expression(tokens: int, heads: int, head_dim: int) -> None:
+    g = torch.Generator().manual_seed(head_dim)
+    base = torch.randn(tokens, heads + 2, head_dim, generator=g).bfloat16()  # q/k heads, then others
+    cos, sin = torch.randn(tokens, 1, head_dim, generator=g).bfloat16().chunk(2, dim=-1)
+    expected = apply_rotary(base[:, :heads], cos, sin)
+    rotated = base.clone()
+    out = apply_rotary(rotated[:, :heads], cos, sin, inplace=True)
+    assert out.data_ptr() == rotated.data_ptr()
+    assert torch.equal(rotated[:, :heads], expected)
+    assert torch.equal(rotated[:, heads:], base[:, heads:])  # the other heads are untouched
 
 
 def _dense_decode(q, keys, values, scale, window):

@@ -1,5 +1,5 @@
 """bf16 CPU kernels for the decode path (`csrc/decode_ops.cpp`): RMSNorm with a fused residual
-add, and paged decode attention reading K/V through the block tables.
+add, rotary embedding in place, and paged decode attention reading K/V through the block tables.
 
 Each wrapper says with `applies(...)` whether it can take the given tensors (bf16 on the CPU,
 kernels built); callers keep their PyTorch path for everything else.
@@ -30,6 +30,13 @@ def add_rms_norm(
         res = res.contiguous()
     out, summed = torch.ops.pagoda_ops.add_rms_norm(flat, res, weight, eps)
     return out.view(shape), summed.view(shape)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x: [T, heads, head_dim]` in place (rotate-half convention) with `cos`, `sin`
+    `[T, 1, head_dim // 2]`, rounding like the torch expression; returns x."""
+    torch.ops.pagoda_ops.rotary_(x, cos, sin)
+    return x
 
 
 def paged_decode_attention(

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagoda.kernels import cpu_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -93,7 +95,12 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x: [T, heads, head_dim]` (rotate-half convention); returns a new contiguous tensor."""
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool = False
+) -> torch.Tensor:
+    """Rotate `x: [T, heads, head_dim]` (rotate-half convention). Returns a new tensor, or with
+    `inplace` may rotate x itself (bf16 on the CPU, in a native kernel)."""
+    if inplace and x.stride(-1) == 1 and cpu_ops.applies(x, cos, sin):
+        return cpu_ops.rotary_(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

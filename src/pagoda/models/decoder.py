@@ -67,14 +67,18 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         if self.qk_norm:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rotary(self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)), cos, sin)
-            k = apply_rotary(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+            q = apply_rotary(
+                self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)), cos, sin, inplace=True
+            )
+            k = apply_rotary(
+                self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin, inplace=True
+            )
         else:
-            # Queries and keys share one rotation pass.
+            # Queries and keys share one rotation pass (in place: qkv is this layer's own output).
             qk = qkv[:, : self.q_size + self.kv_size].view(
                 num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
             )
-            qk = apply_rotary(qk, cos, sin)
+            qk = apply_rotary(qk, cos, sin, inplace=True)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, attn_metadata)

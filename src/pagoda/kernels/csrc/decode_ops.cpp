@@ -1,6 +1,6 @@
 // Small bf16 CPU ops on the decode path, where torch spends more time dispatching a dozen tiny
-// ops than computing: RMSNorm with the residual add fused, and paged decode attention that reads
-// K/V straight from the block tables (no gather, no mask tensor).
+// ops than computing: RMSNorm with the residual add fused, rotary embedding in place, and paged
+// decode attention that reads K/V straight from the block tables (no gather, no mask tensor).
 //
 // Numerics: RMSNorm rounds exactly where transformers' bf16 RMSNorm rounds (the sum x + residual,
 // the normalised value, the product with the weight) and keeps the statistics in fp32, so it
@@ -88,6 +88,40 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::
     }
   });
   return {out, summed};
+}
+
+// ---- rotary embedding ------------------------------------------------------------------------
+
+// Rotates x [T, heads, D] in place (rotate-half convention) with cos, sin [T, 1, D / 2], rounding
+// to bf16 after every multiply and add as torch's bf16 `x1 * cos - x2 * sin` does.
+void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_bf16_cpu(x, "x");
+  check_bf16_cpu(cos, "cos");
+  check_bf16_cpu(sin, "sin");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x must be [T, heads, D] with contiguous heads");
+  const int64_t T = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) == 1 && t->size(2) == half && t->stride(2) == 1,
+                "cos and sin must be [T, 1, D / 2] with contiguous rows");
+  uint16_t* xp = u16_mut(x);
+  const uint16_t* cp = u16(cos);
+  const uint16_t* sp = u16(sin);
+  const int64_t ldt = x.stride(0), ldh = x.stride(1), ldc = cos.stride(0), lds = sin.stride(0);
+  at::parallel_for(0, T * heads, std::max<int64_t>(1, 4096 / std::max<int64_t>(half, 1)), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / heads, h = i % heads;
+      uint16_t* row = xp + t * ldt + h * ldh;
+      for (int64_t d = 0; d < half; d += 16) {
+        const __mmask16 m = tail_mask(half - d);
+        const __m512 x1 = load_bf16(row + d, m), x2 = load_bf16(row + half + d, m);
+        const __m512 c = load_bf16(cp + t * ldc + d, m), s = load_bf16(sp + t * lds + d, m);
+        const __m512 r1 = _mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, c)), round_bf16(_mm512_mul_ps(x2, s)));
+        const __m512 r2 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c)), round_bf16(_mm512_mul_ps(x1, s)));
+        store_bf16(row + d, r1, m);
+        store_bf16(row + half + d, r2, m);
+      }
+    }
+  });
 }
 
 // ---- paged decode attention ------------------------------------------------------------------
@@ -278,9 +312,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 TORCH_LIBRARY(pagoda_ops, m) {
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def(
       "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
       "int window) -> Tensor");
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
+  m.impl("rotary_", c10::DispatchKey::CPU, TORCH_FN(rotary_));
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
 }
