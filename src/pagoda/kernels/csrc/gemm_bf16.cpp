@@ -238,7 +238,14 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64
     b = e;
   }
   const int64_t chunk = std::max<int64_t>(4, kChunkBytes / (std::max<int64_t>(K, 1) * kPanel * 2)) / 4 * 4;
-  const int64_t chunks = (panels + chunk - 1) / chunk;
+  int64_t chunks = (panels + chunk - 1) / chunk;
+  if (groups.size() == 1) {
+    // One group (decode): a multiple of the thread count of near-equal chunks, so that every
+    // thread streams the same number of panels.
+    const int64_t threads = std::min<int64_t>(panels, at::get_num_threads());
+    chunks = threads * ((chunks + threads - 1) / threads);
+  }
+  chunks = std::min(chunks, panels);
   const int64_t tasks = static_cast<int64_t>(groups.size()) * chunks;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> buffer;
@@ -262,7 +269,7 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64
         xg = buffer.data();
         ldg = K;
       }
-      const int64_t p_begin = c * chunk, p_end = std::min(panels, p_begin + chunk);
+      const int64_t p_begin = c * panels / chunks, p_end = (c + 1) * panels / chunks;
       // Panels outer, row blocks inner; a single block streams the whole chunk at once.
       const int64_t step = b1 - b0 == 1 ? p_end - p_begin : 1;
       for (int64_t p = p_begin; p < p_end; p += step) {
