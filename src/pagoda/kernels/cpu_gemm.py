@@ -18,6 +18,7 @@ Benchmark: `python -m pagoda.kernels.cpu_gemm --bench`.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import statistics
@@ -56,6 +57,10 @@ class PackedWeight:
     swiglu: bool
     bias: torch.Tensor | None  # float32, [out_features] or [2 * out_features] with swiglu
 
+    @property
+    def epilogue(self) -> int:
+        return _SWIGLU if self.swiglu else _PLAIN
+
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False) -> PackedWeight:
     """Repack a bf16 `[N, K]` weight (and bias) for `linear`; with `swiglu`, N = 2 * outputs."""
@@ -80,23 +85,24 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = 
 def linear(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` (or silu(gate) * up for a swiglu weight) for x of shape `[..., K]`,
     bf16 or fp32; the result is bf16, or `out_dtype` (bf16 or fp32). Sums in fp32, rounds once."""
-    out_dtype = out_dtype or torch.bfloat16
-    if out_dtype not in (torch.bfloat16, torch.float32):
+    # Called ~100 times per decode step: checks stay cheap and the op handle is cached.
+    if out_dtype is not None and out_dtype is not torch.bfloat16 and out_dtype is not torch.float32:
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
     if x.shape[-1] != packed.in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the weight expects {packed.in_features}")
     if x.requires_grad and torch.is_grad_enabled():
         raise ValueError("packed linear does not support autograd; call it under torch.no_grad()")
+    out_fp32 = out_dtype is torch.float32
+    if x.dim() == 2:
+        return _packed_linear_op()(x, packed.data, packed.out_features, packed.bias, packed.epilogue, out_fp32)
     flat = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    out = torch.ops.pagoda_gemm.packed_linear(
-        flat,
-        packed.data,
-        packed.out_features,
-        packed.bias,
-        _SWIGLU if packed.swiglu else _PLAIN,
-        out_dtype == torch.float32,
-    )
+    out = _packed_linear_op()(flat, packed.data, packed.out_features, packed.bias, packed.epilogue, out_fp32)
     return out.reshape(*x.shape[:-1], packed.out_features)
+
+
+@functools.cache
+def _packed_linear_op():
+    return torch.ops.pagoda_gemm.packed_linear.default
 
 
 def _lanes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,9 +7,17 @@ kernels built); callers keep their PyTorch path for everything else.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pagoda.kernels.build import available
+
+
+@functools.cache
+def _op(name: str):
+    """The registered op, looked up once (these run a few hundred times per decode step)."""
+    return getattr(torch.ops.pagoda_ops, name).default
 
 
 def applies(*tensors: torch.Tensor) -> bool:
@@ -21,6 +29,8 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weight * norm(s), s)` with `s = x + residual` (or `x`), rounding where transformers' bf16
     RMSNorm rounds; x is `[..., H]`."""
+    if x.dim() == 2 and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1):
+        return _op("add_rms_norm")(x, residual, weight, eps)
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     res = None if residual is None else residual.reshape(-1, shape[-1])
@@ -28,14 +38,14 @@ def add_rms_norm(
         flat = flat.contiguous()
     if res is not None and res.stride(-1) != 1:
         res = res.contiguous()
-    out, summed = torch.ops.pagoda_ops.add_rms_norm(flat, res, weight, eps)
+    out, summed = _op("add_rms_norm")(flat, res, weight, eps)
     return out.view(shape), summed.view(shape)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x: [T, heads, head_dim]` in place (rotate-half convention) with `cos`, `sin`
     `[T, 1, head_dim // 2]`, rounding like the torch expression; returns x."""
-    torch.ops.pagoda_ops.rotary_(x, cos, sin)
+    _op("rotary_")(x, cos, sin)
     return x
 
 
@@ -49,6 +59,4 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Attention of one new query token per sequence, `q: [B, H, D]`, over the sequence's
     `seq_lens[b]` cached positions (its last `sliding_window` only, if set) → `[B, H, D]`."""
-    return torch.ops.pagoda_ops.paged_decode_attention(
-        q, kv_cache, block_tables, seq_lens, scale, sliding_window or 0
-    )
+    return _op("paged_decode_attention")(q, kv_cache, block_tables, seq_lens, scale, sliding_window or 0)
