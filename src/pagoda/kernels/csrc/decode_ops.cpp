@@ -145,6 +145,12 @@ inline __m512 sum16(const __m512 v[16]) {
                        _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+constexpr int64_t kPrefetchAhead = 16;  // positions ahead whose K/V rows are prefetched
+
+inline void prefetch_row(const uint16_t* row, int64_t D) {
+  for (int64_t i = 0; i < D; i += 32) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+}
+
 // The V rows of one sequence and KV head, read through its block table.
 struct VRows {
   const uint16_t* cache;
@@ -156,7 +162,7 @@ struct VRows {
 // out[g] = sum_t p[g][t] * v[t] for the G query heads of one KV head (p: [G, len - start]), with
 // a tile of heads x C vectors of fp32 sums in registers.
 template <int C>
-void accumulate_v(const VRows& rows, const float* p, int64_t G, uint16_t* out) {
+void accumulate_v(const VRows& rows, const float* p, const float* inv_sum, int64_t G, uint16_t* out) {
   constexpr int GT = C == 8 ? 2 : C >= 5 ? 3 : 24 / C;  // GT * C sums + C values + 1 weight <= 32
   const int64_t n = rows.len - rows.start;
   for (int64_t g0 = 0; g0 < G; g0 += GT) {
@@ -166,6 +172,7 @@ void accumulate_v(const VRows& rows, const float* p, int64_t G, uint16_t* out) {
       for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
     for (int64_t t = rows.start; t < rows.len; ++t) {
       const uint16_t* v = rows.row(t);
+      if (t + kPrefetchAhead < rows.len) prefetch_row(rows.row(t + kPrefetchAhead), rows.D);
       __m512 vv[C];
       for (int c = 0; c < C; ++c) vv[c] = load_bf16(v + c * 16, tail_mask(rows.D - c * 16));
       for (int g = 0; g < GT; ++g) {
@@ -175,8 +182,11 @@ void accumulate_v(const VRows& rows, const float* p, int64_t G, uint16_t* out) {
         }
       }
     }
-    for (int g = 0; g < gt; ++g)
-      for (int c = 0; c < C; ++c) store_bf16(out + (g0 + g) * rows.D + c * 16, acc[g][c], tail_mask(rows.D - c * 16));
+    for (int g = 0; g < gt; ++g) {
+      const __m512 inv = _mm512_set1_ps(inv_sum[g0 + g]);
+      for (int c = 0; c < C; ++c)
+        store_bf16(out + (g0 + g) * rows.D + c * 16, _mm512_mul_ps(acc[g][c], inv), tail_mask(rows.D - c * 16));
+    }
   }
 }
 
@@ -223,6 +233,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     std::vector<float> kf(static_cast<size_t>(16 * C * 16));
     std::vector<float> scores;
     std::vector<int64_t> offsets;
+    std::vector<float> inv_sum(static_cast<size_t>(G));
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t len = lens[b];
@@ -246,6 +257,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       // query head (no horizontal reduction per position).
       for (int64_t t0 = start; t0 < len; t0 += 16) {
         const int64_t count = std::min<int64_t>(16, len - t0);
+        for (int64_t t = t0 + 16; t < std::min(len, t0 + 32); ++t) prefetch_row(kc + offsets[t - start], D);
         for (int64_t j = 0; j < 16; ++j) {
           const int64_t t = t0 + std::min(j, count - 1);  // pad with the last position
           const uint16_t* k = kc + offsets[t - start];
@@ -262,31 +274,32 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
           _mm512_mask_storeu_ps(scores.data() + g * n + (t0 - start), tail_mask(count), sum16(dots));
         }
       }
+      // Softmax numerators in place; the division by their sum is applied to the output.
       for (int64_t g = 0; g < G; ++g) {
         float* s = scores.data() + g * n;
-        float mx = s[0];
-        for (int64_t t = 1; t < n; ++t) mx = std::max(mx, s[t]);
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < n; t += 16) mx = _mm512_mask_max_ps(mx, tail_mask(n - t), mx, _mm512_loadu_ps(s + t));
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < n; t += 16) {
           const __mmask16 m = tail_mask(n - t);
-          const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), _mm512_set1_ps(mx)));
+          const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), top));
           _mm512_mask_storeu_ps(s + t, m, e);
           sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
         }
-        const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+        inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
       }
       const VRows rows{vc, offsets.data(), D, start, len};
       uint16_t* o = op + (b * H + h * G) * D;
       switch (C) {
-        case 1: accumulate_v<1>(rows, scores.data(), G, o); break;
-        case 2: accumulate_v<2>(rows, scores.data(), G, o); break;
-        case 3: accumulate_v<3>(rows, scores.data(), G, o); break;
-        case 4: accumulate_v<4>(rows, scores.data(), G, o); break;
-        case 5: accumulate_v<5>(rows, scores.data(), G, o); break;
-        case 6: accumulate_v<6>(rows, scores.data(), G, o); break;
-        case 7: accumulate_v<7>(rows, scores.data(), G, o); break;
-        case 8: accumulate_v<8>(rows, scores.data(), G, o); break;
+        case 1: accumulate_v<1>(rows, scores.data(), inv_sum.data(), G, o); break;
+        case 2: accumulate_v<2>(rows, scores.data(), inv_sum.data(), G, o); break;
+        case 3: accumulate_v<3>(rows, scores.data(), inv_sum.data(), G, o); break;
+        case 4: accumulate_v<4>(rows, scores.data(), inv_sum.data(), G, o); break;
+        case 5: accumulate_v<5>(rows, scores.data(), inv_sum.data(), G, o); break;
+        case 6: accumulate_v<6>(rows, scores.data(), inv_sum.data(), G, o); break;
+        case 7: accumulate_v<7>(rows, scores.data(), inv_sum.data(), G, o); break;
+        case 8: accumulate_v<8>(rows, scores.data(), inv_sum.data(), G, o); break;
         default: {
           for (int64_t g = 0; g < G; ++g)
             for (int64_t c = 0; c < C; ++c) acc[g * C + c] = _mm512_setzero_ps();
@@ -300,7 +313,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
             }
           }
           for (int64_t g = 0; g < G; ++g)
-            for (int64_t c = 0; c < C; ++c) store_bf16(o + g * D + c * 16, acc[g * C + c], tail_mask(D - c * 16));
+            for (int64_t c = 0; c < C; ++c)
+              store_bf16(o + g * D + c * 16, _mm512_mul_ps(acc[g * C + c], _mm512_set1_ps(inv_sum[g])),
+                         tail_mask(D - c * 16));
         }
       }
     }
