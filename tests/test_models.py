@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from conftest import TINY_DIMS, TINY_VARIANTS
-from pagoda.kernels import cpu_gemm
+from pagoda.kernels import build
 from pagoda.layers import Linear, PackedLinear
 from pagoda.layers.precision import FP32_MIN_ROWS, upcast_to_fp32
 from pagoda.layers.rotary import RopeConfig
@@ -178,7 +178,7 @@ def test_half_precision_runs_close_to_float32(dtype, tiny_model_dirs, paged_harn
     assert (logits - reference).abs().max() < 0.15 * reference.abs().max()
 
 
-@pytest.mark.skipif(not cpu_gemm.available(), reason="CPU bf16 GEMM kernel unavailable")
+@pytest.mark.skipif(not build.available(), reason="CPU kernels unavailable")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_weights_are_packed_for_the_cpu_kernel(arch, tiny_model_dirs, paged_harness, monkeypatch):
     path = tiny_model_dirs[arch]
