@@ -151,7 +151,13 @@ def test_jump_forward_keeps_outputs_and_saves_steps(tiny_model_dirs, arch):
     ]
     results, steps = {}, {}
     for jf in (True, False):
-        llm = LLM(tiny_model_dirs[arch], dtype="float32", num_kv_blocks=512, enable_jump_forward=jf)
+        llm = LLM(
+            tiny_model_dirs[arch],
+            dtype="float32",
+            num_kv_blocks=512,
+            enable_jump_forward=jf,
+            jump_forward_max_running=64,
+        )
         outs = llm.generate([f"p{i}" for i in range(len(params))], params)
         results[jf] = [[(c.text, c.token_ids) for c in o.outputs] for o in outs]
         core = llm.engine.core
@@ -166,6 +172,49 @@ def test_jump_forward_keeps_outputs_and_saves_steps(tiny_model_dirs, arch):
     for completions in results[True]:
         for text, _ in completions:
             jsonschema.validate(json.loads(text), schema)
+
+
+def test_jump_forward_waits_for_a_small_batch(tiny_model_dirs):
+    """Beyond jump_forward_max_running running requests no drafts are proposed; outputs do not
+    change, and drafts resume once few requests are left."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "customer_membership_level": {"enum": ["gold", "silver"]},
+            "customer_is_active": {"type": "boolean"},
+        },
+        "required": ["customer_membership_level", "customer_is_active"],
+        "additionalProperties": False,
+    }
+    structured = SamplingParams(
+        temperature=0, max_tokens=200, structured_outputs=StructuredOutputs(json=schema)
+    )
+    params = [structured, structured, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)]
+    prompts = ["first", "second", "third"]
+    model = tiny_model_dirs["LlamaForCausalLM"]
+    llm = LLM(model, dtype="float32", num_kv_blocks=256, jump_forward_max_running=2)
+    core = llm.engine.core
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        llm.engine.add_request(f"r{i}", prompt, p)
+    proposed_while_crowded = 0
+    outputs = {}
+    while llm.engine.has_unfinished_requests():
+        crowded = len(core.scheduler.running) > 2
+        before = core.num_jump_forward_tokens
+        for out in llm.engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        if crowded or len(core.scheduler.running) > 2:  # more than 2 running when drafts were due
+            proposed_while_crowded += core.num_jump_forward_tokens - before
+    assert proposed_while_crowded == 0
+    assert core.num_jump_forward_tokens > 0  # after the third request finished
+    reference = LLM(model, dtype="float32", num_kv_blocks=256, enable_jump_forward=False)
+    expected = reference.generate(prompts, params)
+    assert [outputs[f"r{i}"] for i in range(3)] == [o.outputs[0].token_ids for o in expected]
+    _clean(llm)
+    _clean(reference)
+    with pytest.raises(ValueError, match="jump_forward_max_running"):
+        LLM(model, dtype="float32", jump_forward_max_running=0)
 
 
 def test_preemption_and_chunked_prefill_keep_structured_outputs(tiny_model_dirs):

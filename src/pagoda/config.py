@@ -100,6 +100,10 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "lpm"
     enable_jump_forward: bool = True
+    # Propose jump-forward drafts only while at most this many requests run. None: 4 on the CPU
+    # (a larger decode batch is compute-bound there, so rejected drafts cost more than the passes
+    # they save), no limit on other devices.
+    jump_forward_max_running: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -114,6 +118,12 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.jump_forward_max_running is not None and (
+            not isinstance(self.jump_forward_max_running, int) or self.jump_forward_max_running < 1
+        ):
+            raise ValueError(
+                f"jump_forward_max_running must be an integer >= 1, got {self.jump_forward_max_running!r}"
+            )
         # Validate the component configs early, so a bad value fails before the model loads.
         self.cache_config()
         self.scheduler_config(self.max_model_len or 2)

@@ -77,6 +77,11 @@ def register(subparsers) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--jump-forward-max-running",
+        type=int,
+        help="structured: draft only while at most this many requests run (default: the engine's)",
+    )
     p.add_argument("--no-baseline", action="store_true", help="skip the baseline run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", help="write the figures as JSON here")
@@ -112,7 +117,13 @@ def run(args: argparse.Namespace) -> int:
     n = args.num_prompts or n
     input_len = args.input_len or input_len
     output_len = args.output_len or output_len
-    for name, value in (("num-prompts", n), ("input-len", input_len), ("output-len", output_len)):
+    limit = args.jump_forward_max_running
+    for name, value in (
+        ("num-prompts", n),
+        ("input-len", input_len),
+        ("output-len", output_len),
+        ("jump-forward-max-running", 1 if limit is None else limit),
+    ):
         if value < 1:
             raise SystemExit(f"pagoda bench offline: --{name} must be >= 1")
     model = args.model or _default_model(args.vocab_size)
@@ -172,6 +183,7 @@ def _engine(args, model: str, caching: bool = True, jump_forward: bool = True):
             max_num_seqs=args.max_num_seqs,
             kv_cache_memory_gb=args.kv_cache_memory_gb,
             enable_jump_forward=jump_forward,
+            jump_forward_max_running=args.jump_forward_max_running,
         )
     )
 

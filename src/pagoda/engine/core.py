@@ -18,6 +18,10 @@ from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+# Measured on a 2-core CPU (random-weight model, 7-field JSON schema): jump-forward made one
+# stream 3.9x faster, 8 streams 6% slower and 32 streams 22% slower than plain decoding.
+CPU_JUMP_FORWARD_MAX_RUNNING = 4
+
 
 @dataclass
 class StepOutput:
@@ -52,6 +56,9 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(args.scheduler_config(max_model_len), self.kv)
         self.grammars: GrammarManager | None = None  # set by the engine on first structured request
+        self.jump_forward_max_running = args.jump_forward_max_running or (
+            CPU_JUMP_FORWARD_MAX_RUNNING if self.device.type == "cpu" else None
+        )
         self.num_jump_forward_tokens = 0  # drafts proposed
         self.num_jump_forward_accepted = 0  # drafts that sampling confirmed
 
@@ -137,8 +144,10 @@ class EngineCore:
 
     def _jump_forward(self, req: Request, tokens: list[int]) -> list[int]:
         """Tokens the grammar forces after `tokens`, proposed as drafts for the next step."""
+        limit = self.jump_forward_max_running
         if (
             not self.args.enable_jump_forward
+            or (limit is not None and len(self.scheduler.running) > limit)
             or req.grammar.is_terminated()
             or tokens[-1] in req.stop_token_ids
         ):

@@ -23,6 +23,7 @@ _ENGINE_FIELDS = (
     "max_num_batched_tokens",
     "scheduling_policy",
     "enable_jump_forward",
+    "jump_forward_max_running",
 )
 
 
@@ -146,6 +147,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="structured output: emit forced tokens without a forward pass (default on)",
+    )
+    group.add_argument(
+        "--jump-forward-max-running",
+        type=int,
+        default=None,
+        help="propose jump-forward drafts only while at most this many requests run "
+        "(default: 4 on the CPU, no limit elsewhere)",
     )
 
 

@@ -94,7 +94,9 @@ def linear(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None 
         raise ValueError("packed linear does not support autograd; call it under torch.no_grad()")
     out_fp32 = out_dtype is torch.float32
     if x.dim() == 2:
-        return _packed_linear_op()(x, packed.data, packed.out_features, packed.bias, packed.epilogue, out_fp32)
+        return _packed_linear_op()(
+            x, packed.data, packed.out_features, packed.bias, packed.epilogue, out_fp32
+        )
     flat = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     out = _packed_linear_op()(flat, packed.data, packed.out_features, packed.bias, packed.epilogue, out_fp32)
     return out.reshape(*x.shape[:-1], packed.out_features)
