@@ -30,7 +30,6 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -115,8 +114,7 @@ inline void store16(const Out& o, int64_t row, int64_t col, __m512 v) {
   if (o.fp32) {
     _mm512_mask_storeu_ps(static_cast<float*>(o.y) + row * o.ldy + col, mask, v);
   } else {
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(o.y) + row * o.ldy + col, mask, h);
+    store_bf16(static_cast<uint16_t*>(o.y) + row * o.ldy + col, v, mask);
   }
 }
 
@@ -216,19 +214,18 @@ std::vector<std::pair<int64_t, int>> row_blocks(int64_t M) {
   return blocks;
 }
 
-inline void to_fp32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void to_fp32(const c10::BFloat16* src, float* dst, int64_t n) {
+// One bf16 row of x widened to fp32.
+inline void widen_row(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(dst + i, m, load_bf16(s + i, m));
   }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Work is split into tasks of (a group of row blocks whose fp32 rows fit in L2) x (a chunk of
-// panels). Within a task each panel is reused from cache by every row block of the group.
+// Work is split into tasks of (a group of row blocks) x (a chunk of panels). Within a task each
+// panel is reused from cache by every row block of the group; bf16 rows of x are widened to fp32
+// once per group and thread.
 template <typename T>
 void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t panels, const Out& o) {
   const auto blocks = row_blocks(M);
@@ -268,7 +265,7 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64
         const int64_t rows = blocks[b1 - 1].first + blocks[b1 - 1].second - row0;
         if (converted != g) {
           buffer.resize(static_cast<size_t>(rows * K));
-          for (int64_t r = 0; r < rows; ++r) to_fp32(x + (row0 + r) * ldx, buffer.data() + r * K, K);
+          for (int64_t r = 0; r < rows; ++r) widen_row(x + (row0 + r) * ldx, buffer.data() + r * K, K);
           converted = g;
         }
         xg = buffer.data();
