@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import cpu_gemm
-from pagoda.layers.linear import linear, new_parameter
+from pagoda.layers.linear import LinearBase, linear, new_parameter
 
 
 class VocabEmbedding(nn.Module):
@@ -30,7 +30,7 @@ class VocabEmbedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-class LMHead(nn.Module):
+class LMHead(LinearBase):
     """Hidden states → float32 logits. Pass `tied_weight` to share the embedding matrix."""
 
     def __init__(
@@ -49,12 +49,7 @@ class LMHead(nn.Module):
             self.weight = tied_weight
         else:
             self.weight = new_parameter(vocab_size, hidden_size, dtype=dtype)
-        self.packed: cpu_gemm.PackedWeight | None = None
-
-    def process_weights_after_loading(self) -> None:
-        if self.weight is not None and cpu_gemm.applies_to(self.weight):
-            self.packed = cpu_gemm.pack(self.weight)
-            self.weight = None
+        self.bias = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -46,7 +46,7 @@ def new_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return param
 
 
-class _LinearBase(nn.Module):
+class LinearBase(nn.Module):
     """`y = x W^T + b`; after loading, the weight may move into the kernel's packed layout."""
 
     # Pack a `[gate; up]` weight so that the kernel returns silu(gate) * up (see GateUpLinear).
@@ -66,7 +66,7 @@ class _LinearBase(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-class Linear(_LinearBase):
+class Linear(LinearBase):
     """`y = x W^T + b` with plain (unfused) parameters."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
@@ -77,7 +77,7 @@ class Linear(_LinearBase):
         self.bias = new_parameter(out_features, dtype=dtype) if bias else None
 
 
-class PackedLinear(_LinearBase):
+class PackedLinear(LinearBase):
     """Several projections of the same input stacked along the output dimension.
 
     `shards` lists `(shard_id, out_features)` in output order; the checkpoint tensor for shard
