@@ -1,7 +1,7 @@
 """bf16-weight linear layers for AVX-512 CPUs: a kernel compiled on first use, over weights
 repacked once at load time.
 
-Without AMX, oneDNN's bf16 GEMM runs at about half the speed of its fp32 GEMM (its `vdpbf16ps`
+Without AMX, oneDNN's bf16 GEMM runs at about 60% of the speed of its fp32 GEMM (its `vdpbf16ps`
 issues at half the rate of fp32 multiply-adds), and its bf16 matrix-vector product reaches a
 third of memory bandwidth. `csrc/gemm_bf16.cpp` keeps the weight in bf16 (half the bytes to
 stream) but multiplies in fp32: one shift or mask widens a bf16 pair, so every row count runs
