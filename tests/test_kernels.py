@@ -223,7 +223,7 @@ def _dense_decode(q, keys, values, scale, window):
 
 @requires_kernel
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(4, 4, 16), (14, 2, 64), (6, 1, 80), (8, 2, 128)]
+    ("heads", "kv_heads", "head_dim"), [(4, 4, 16), (14, 2, 64), (6, 1, 80), (8, 2, 128), (4, 2, 272)]
 )
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 @pytest.mark.parametrize("window", [None, 1, 7])

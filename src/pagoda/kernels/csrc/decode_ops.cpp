@@ -159,10 +159,10 @@ struct VRows {
   const uint16_t* row(int64_t t) const { return cache + offsets[t - start]; }
 };
 
-// out[g] = sum_t p[g][t] * v[t] for the G query heads of one KV head (p: [G, len - start]), with
-// a tile of heads x C vectors of fp32 sums in registers.
+// out[g][d0, d0 + 16 C) = sum_t p[g][t] * v[t][d0, ...] / sums[g] for the G query heads of one KV
+// head (p: [G, len - start]), with a tile of heads x C vectors of fp32 sums in registers.
 template <int C>
-void accumulate_v(const VRows& rows, const float* p, const float* inv_sum, int64_t G, uint16_t* out) {
+void accumulate_v(const VRows& rows, int64_t d0, const float* p, const float* inv_sum, int64_t G, uint16_t* out) {
   constexpr int GT = C == 8 ? 2 : C >= 5 ? 3 : 24 / C;  // GT * C sums + C values + 1 weight <= 32
   const int64_t n = rows.len - rows.start;
   for (int64_t g0 = 0; g0 < G; g0 += GT) {
@@ -171,10 +171,10 @@ void accumulate_v(const VRows& rows, const float* p, const float* inv_sum, int64
     for (int g = 0; g < GT; ++g)
       for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
     for (int64_t t = rows.start; t < rows.len; ++t) {
-      const uint16_t* v = rows.row(t);
-      if (t + kPrefetchAhead < rows.len) prefetch_row(rows.row(t + kPrefetchAhead), rows.D);
+      const uint16_t* v = rows.row(t) + d0;
+      if (t + kPrefetchAhead < rows.len) prefetch_row(rows.row(t + kPrefetchAhead) + d0, 16 * C);
       __m512 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load_bf16(v + c * 16, tail_mask(rows.D - c * 16));
+      for (int c = 0; c < C; ++c) vv[c] = load_bf16(v + c * 16, tail_mask(rows.D - d0 - c * 16));
       for (int g = 0; g < GT; ++g) {
         if (g < gt) {
           const __m512 w = _mm512_set1_ps(p[(g0 + g) * n + (t - rows.start)]);
@@ -185,7 +185,8 @@ void accumulate_v(const VRows& rows, const float* p, const float* inv_sum, int64
     for (int g = 0; g < gt; ++g) {
       const __m512 inv = _mm512_set1_ps(inv_sum[g0 + g]);
       for (int c = 0; c < C; ++c)
-        store_bf16(out + (g0 + g) * rows.D + c * 16, _mm512_mul_ps(acc[g][c], inv), tail_mask(rows.D - c * 16));
+        store_bf16(out + (g0 + g) * rows.D + d0 + c * 16, _mm512_mul_ps(acc[g][c], inv),
+                   tail_mask(rows.D - d0 - c * 16));
     }
   }
 }
@@ -229,7 +230,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t ldq = q.stride(0), ldh = q.stride(1);
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<__m512> qf(static_cast<size_t>(G * C)), acc(static_cast<size_t>(G * C));
+    std::vector<__m512> qf(static_cast<size_t>(G * C));
     std::vector<float> kf(static_cast<size_t>(16 * C * 16));
     std::vector<float> scores;
     std::vector<int64_t> offsets;
@@ -291,31 +292,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       }
       const VRows rows{vc, offsets.data(), D, start, len};
       uint16_t* o = op + (b * H + h * G) * D;
-      switch (C) {
-        case 1: accumulate_v<1>(rows, scores.data(), inv_sum.data(), G, o); break;
-        case 2: accumulate_v<2>(rows, scores.data(), inv_sum.data(), G, o); break;
-        case 3: accumulate_v<3>(rows, scores.data(), inv_sum.data(), G, o); break;
-        case 4: accumulate_v<4>(rows, scores.data(), inv_sum.data(), G, o); break;
-        case 5: accumulate_v<5>(rows, scores.data(), inv_sum.data(), G, o); break;
-        case 6: accumulate_v<6>(rows, scores.data(), inv_sum.data(), G, o); break;
-        case 7: accumulate_v<7>(rows, scores.data(), inv_sum.data(), G, o); break;
-        case 8: accumulate_v<8>(rows, scores.data(), inv_sum.data(), G, o); break;
-        default: {
-          for (int64_t g = 0; g < G; ++g)
-            for (int64_t c = 0; c < C; ++c) acc[g * C + c] = _mm512_setzero_ps();
-          for (int64_t t = start; t < len; ++t) {
-            const uint16_t* v = rows.row(t);
-            for (int64_t c = 0; c < C; ++c) {
-              const __m512 v16 = load_bf16(v + c * 16, tail_mask(D - c * 16));
-              for (int64_t g = 0; g < G; ++g)
-                acc[g * C + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * (len - start) + (t - start)]), v16,
-                                                 acc[g * C + c]);
-            }
-          }
-          for (int64_t g = 0; g < G; ++g)
-            for (int64_t c = 0; c < C; ++c)
-              store_bf16(o + g * D + c * 16, _mm512_mul_ps(acc[g * C + c], _mm512_set1_ps(inv_sum[g])),
-                         tail_mask(D - c * 16));
+      // Up to 128 dimensions (8 vectors) per pass.
+      for (int64_t d0 = 0; d0 < D; d0 += 128) {
+        const float* sp = scores.data();
+        switch (std::min<int64_t>(8, (D - d0 + 15) / 16)) {
+          case 1: accumulate_v<1>(rows, d0, sp, inv_sum.data(), G, o); break;
+          case 2: accumulate_v<2>(rows, d0, sp, inv_sum.data(), G, o); break;
+          case 3: accumulate_v<3>(rows, d0, sp, inv_sum.data(), G, o); break;
+          case 4: accumulate_v<4>(rows, d0, sp, inv_sum.data(), G, o); break;
+          case 5: accumulate_v<5>(rows, d0, sp, inv_sum.data(), G, o); break;
+          case 6: accumulate_v<6>(rows, d0, sp, inv_sum.data(), G, o); break;
+          case 7: accumulate_v<7>(rows, d0, sp, inv_sum.data(), G, o); break;
+          default: accumulate_v<8>(rows, d0, sp, inv_sum.data(), G, o); break;
         }
       }
     }
