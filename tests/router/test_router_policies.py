@@ -430,7 +430,7 @@ def test_cli_registration_stays_light() -> None:
         "heavy = [m for m in ('fastapi', 'httpx', 'uvicorn', 'prometheus_client', 'yaml', 'torch') if m in sys.modules]; "
         "print(heavy)"
     )
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
