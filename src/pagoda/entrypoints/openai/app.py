@@ -109,7 +109,12 @@ def create_app(state: ServerState) -> FastAPI:
     @api.get("/v1/models")
     async def models() -> ModelList:
         cards = [
-            ModelCard(id=n, root=state.model_path, max_model_len=state.engine.max_model_len)
+            ModelCard(
+                id=n,
+                root=state.model_path,
+                max_model_len=state.engine.max_model_len,
+                format=state.engine.weight_format,
+            )
             for n in state.model_names
         ]
         return ModelList(data=cards)
