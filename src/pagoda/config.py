@@ -118,7 +118,9 @@ class EngineArgs:
             if not os.path.isfile(self.model):
                 raise ValueError(f"GGUF file {self.model!r} does not exist")
             if self.quantization is not None:
-                raise ValueError("quantization applies to safetensors checkpoints; a GGUF file keeps its own types")
+                raise ValueError(
+                    "quantization applies to safetensors checkpoints; a GGUF file keeps its own types"
+                )
         elif not os.path.isdir(self.model):
             raise ValueError(f"model folder {self.model!r} does not exist")
         elif not os.path.isfile(os.path.join(self.model, "config.json")):

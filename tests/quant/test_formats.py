@@ -47,7 +47,9 @@ def test_dequantize_matches_gguf_on_random_blocks(qtype: GGMLType) -> None:
     rng = np.random.default_rng(int(qtype))
     raw = rng.integers(0, 256, size=(97, 3 * type_size(qtype)), dtype=np.uint8)
     # Add blocks whose fp16 scales are extreme: max finite, smallest subnormal, inf, NaN, zero.
-    extreme = np.frombuffer(np.array([65504, 2**-24, np.inf, np.nan, 0.0, -65504], dtype=np.float16), np.uint8)
+    extreme = np.frombuffer(
+        np.array([65504, 2**-24, np.inf, np.nan, 0.0, -65504], dtype=np.float16), np.uint8
+    )
     rows = []
     for k in range(0, extreme.size, 2):
         row = rng.integers(0, 256, size=(1, 3 * type_size(qtype)), dtype=np.uint8)

@@ -34,7 +34,9 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("model", help="Hugging Face model folder (config.json, safetensors, tokenizer.json)")
     parser.add_argument("output", help="the GGUF file to write")
-    parser.add_argument("--type", dest="file_type", choices=FILE_TYPE_CHOICES, default="q8_0", help="(default q8_0)")
+    parser.add_argument(
+        "--type", dest="file_type", choices=FILE_TYPE_CHOICES, default="q8_0", help="(default q8_0)"
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL)")
     parser.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -36,7 +36,9 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if isinstance(loaded, GGMLTensor):
         loaded = loaded.dequantize()
     if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"parameter: checkpoint shape {tuple(loaded.shape)} != expected {tuple(param.shape)}")
+        raise ValueError(
+            f"parameter: checkpoint shape {tuple(loaded.shape)} != expected {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -138,7 +140,11 @@ class PackedLinear(LinearBase):
         self.out_features = offset
         self.output_sizes = [size for _, size in shards]
         self.weight = self._sharded(weight_parameter(offset, in_features, dtype))
-        self.bias = self._sharded(nn.Parameter(torch.empty(offset, dtype=dtype), requires_grad=False)) if bias else None
+        self.bias = (
+            self._sharded(nn.Parameter(torch.empty(offset, dtype=dtype), requires_grad=False))
+            if bias
+            else None
+        )
 
     def _sharded(self, param: nn.Parameter) -> nn.Parameter:
         param.weight_loader = self.weight_loader

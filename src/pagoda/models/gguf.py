@@ -55,11 +55,15 @@ def parse_gguf_config(f: GGUFFile) -> tuple[ModelFamily, ModelArchConfig]:
     num_heads = f.require_int(key("attention.head_count"))
     num_kv_heads = f.require_int(key("attention.head_count_kv"), default=num_heads)
     if hidden % num_heads and f.get(key("attention.key_length")) is None:
-        raise ValueError(f"GGUF file {f.path!r}: embedding_length {hidden} is not a multiple of head_count {num_heads}")
+        raise ValueError(
+            f"GGUF file {f.path!r}: embedding_length {hidden} is not a multiple of head_count {num_heads}"
+        )
     head_dim = f.require_int(key("attention.key_length"), default=hidden // num_heads)
     value_dim = f.require_int(key("attention.value_length"), default=head_dim)
     if value_dim != head_dim:
-        raise ValueError(f"GGUF file {f.path!r}: key_length {head_dim} != value_length {value_dim} is not supported")
+        raise ValueError(
+            f"GGUF file {f.path!r}: key_length {head_dim} != value_length {value_dim} is not supported"
+        )
     rope_dims = f.require_int(key("rope.dimension_count"), default=head_dim)
     if rope_dims != head_dim:
         raise ValueError(
@@ -160,7 +164,9 @@ def iter_gguf_checkpoint(
             continue  # read into the rope config
         hf_name = to_hf.get(name)
         if hf_name is None:
-            raise ValueError(f"GGUF file {f.path!r}: tensor {name!r} is not part of a {arch} model pagoda runs")
+            raise ValueError(
+                f"GGUF file {f.path!r}: tensor {name!r} is not part of a {arch} model pagoda runs"
+            )
         tensor = f.read(name)
         proj = hf_name.split(".")[-2]
         if arch == "llama" and proj in heads:

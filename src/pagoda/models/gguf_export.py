@@ -78,7 +78,9 @@ def llama3_rope_factors(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.tensor(factors, dtype=torch.float32)
 
 
-def plan_tensors(model_dir: str | Path, config: ModelArchConfig, arch: str, file_type: str) -> list[PlannedTensor]:
+def plan_tensors(
+    model_dir: str | Path, config: ModelArchConfig, arch: str, file_type: str
+) -> list[PlannedTensor]:
     """Every tensor the file will hold, with its GGUF name, shape and type."""
     plan: list[PlannedTensor] = []
     names_seen: set[str] = set()
@@ -154,7 +156,9 @@ def export_gguf(
     _, config = parse_hf_config(hf)
     arch = HF_TO_GGUF_ARCH.get(config.architecture)
     if arch is None:
-        raise ValueError(f"cannot write {config.architecture} as GGUF; supported: {', '.join(HF_TO_GGUF_ARCH)}")
+        raise ValueError(
+            f"cannot write {config.architecture} as GGUF; supported: {', '.join(HF_TO_GGUF_ARCH)}"
+        )
     if any(w is not None for w in config.layer_sliding_windows):
         logger.warning(
             "the model uses sliding-window attention, which a GGUF %r file cannot express: "
@@ -174,12 +178,16 @@ def export_gguf(
         add_tokenizer(writer, config.vocab_size)
         for planned in plan:
             byte_shape = (*planned.shape[:-1], row_bytes(planned.qtype, planned.shape[-1]))
-            writer.add_tensor_info(planned.name, byte_shape, np.dtype(np.uint8), planned.nbytes, raw_dtype=planned.qtype)
+            writer.add_tensor_info(
+                planned.name, byte_shape, np.dtype(np.uint8), planned.nbytes, raw_dtype=planned.qtype
+            )
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         total = sum(p.nbytes for p in plan)
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"Writing {out.name}", disable=not progress) as bar:
+        with tqdm(
+            total=total, unit="B", unit_scale=True, desc=f"Writing {out.name}", disable=not progress
+        ) as bar:
             for planned in plan:
                 writer.write_tensor_data(_tensor_data(planned, config, arch).contiguous().numpy())
                 bar.update(planned.nbytes)

@@ -41,7 +41,9 @@ def load_model(
     fmt: WeightFormat
     if is_gguf_path(model_dir):
         if quantization is not None:
-            raise ValueError("quantization applies to safetensors checkpoints; a GGUF file keeps its own types")
+            raise ValueError(
+                "quantization applies to safetensors checkpoints; a GGUF file keeps its own types"
+            )
         gguf_file = GGUFFile(model_dir)
         family, config = parse_gguf_config(gguf_file)
         weights = iter_gguf_checkpoint(gguf_file, config)

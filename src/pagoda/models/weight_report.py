@@ -57,7 +57,9 @@ def weight_report(model: nn.Module) -> WeightReport:
         elif quantized is not None:
             added = count(quantized, quantized.nbytes)
             if added:
-                values[quantized.qtype.name] = values.get(quantized.qtype.name, 0) + quantized.shape[0] * quantized.shape[1]
+                values[quantized.qtype.name] = (
+                    values.get(quantized.qtype.name, 0) + quantized.shape[0] * quantized.shape[1]
+                )
             nbytes += added
         elif module.weight is not None and module.weight.dim() == 2:
             w = module.weight

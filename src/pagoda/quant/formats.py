@@ -85,7 +85,9 @@ def check_supported(qtype: int, what: str) -> GGMLType:
         member = None
     if member not in SUPPORTED_TYPES:
         supported = ", ".join(t.name for t in SUPPORTED_TYPES)
-        raise ValueError(f"{what} has tensor type {type_name(qtype)}, which pagoda does not support ({supported})")
+        raise ValueError(
+            f"{what} has tensor type {type_name(qtype)}, which pagoda does not support ({supported})"
+        )
     return member
 
 

@@ -110,7 +110,9 @@ class GGUFFile:
             if len(t.shape) >= 2:
                 counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
         total = sum(counts.values()) or 1
-        mix = ", ".join(f"{name} {100 * n / total:.0f}%" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        mix = ", ".join(
+            f"{name} {100 * n / total:.0f}%" for name, n in sorted(counts.items(), key=lambda kv: -kv[1])
+        )
         return f"GGUF {self.file_type} ({mix})"
 
     # ---- tensors -------------------------------------------------------------------------------
@@ -144,7 +146,9 @@ class GGUFFile:
             return GGMLTensor(qtype, data.reshape(shape[0], -1), (shape[0], shape[1]))
         if len(shape) == 1:
             if qtype not in FLOAT_TYPES:
-                raise ValueError(f"GGUF tensor {name!r} is a 1-D {qtype.name} tensor; pagoda reads 1-D ones as floats")
+                raise ValueError(
+                    f"GGUF tensor {name!r} is a 1-D {qtype.name} tensor; pagoda reads 1-D ones as floats"
+                )
             return GGMLTensor(qtype, data.reshape(1, -1), (1, shape[0])).dequantize().reshape(shape[0])
         raise ValueError(f"GGUF tensor {name!r} has shape {shape}; pagoda reads 1-D and 2-D tensors only")
 

@@ -151,7 +151,7 @@ def _take_parts(param: nn.Parameter) -> list[tuple[int, GGMLTensor]] | None:
     if not is_placeholder(param):
         return None
     parts = sorted(getattr(param, _PARTS_ATTR), key=lambda item: item[0])
-    total, cols = param.logical_shape
+    total, _ = param.logical_shape
     covered = 0
     for offset, part in parts:
         if offset != covered:
@@ -168,11 +168,12 @@ def _take_parts(param: nn.Parameter) -> list[tuple[int, GGMLTensor]] | None:
 
 
 # ---- the format in effect while a model is built ----------------------------------------------------
-_CURRENT: contextvars.ContextVar[WeightFormat] = contextvars.ContextVar("weight_format", default=WeightFormat())
+_DENSE = WeightFormat()
+_CURRENT: contextvars.ContextVar[WeightFormat | None] = contextvars.ContextVar("weight_format", default=None)
 
 
 def current_weight_format() -> WeightFormat:
-    return _CURRENT.get()
+    return _CURRENT.get() or _DENSE
 
 
 @contextlib.contextmanager

@@ -159,7 +159,9 @@ def _fit_scale_min(
     this_scale = (sw * sum_xl - sx * sum_l) / safe_det
     this_min = (sum_l2 * sx - sum_l * sum_xl) / safe_det
     positive = this_min > 0
-    this_scale = torch.where(positive, sum_xl / torch.where(sum_l2 > 0, sum_l2, torch.ones_like(sum_l2)), this_scale)
+    this_scale = torch.where(
+        positive, sum_xl / torch.where(sum_l2 > 0, sum_l2, torch.ones_like(sum_l2)), this_scale
+    )
     this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
     err = (w * (this_scale * lf + this_min - x.unsqueeze(1)) ** 2).sum(-1, keepdim=True)
     err = torch.where(valid, err, torch.full_like(err, float("inf")))

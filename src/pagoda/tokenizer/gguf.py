@@ -48,7 +48,9 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase
     """The fast tokenizer a GGUF file describes, with its chat template."""
     file = Path(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(file.parent), gguf_file=file.name, local_files_only=True
+        )
     except Exception as exc:  # transformers raises many types for files it cannot convert
         raise ValueError(f"could not build a tokenizer from GGUF file {str(file)!r}: {exc}") from exc
     if getattr(tokenizer, "backend_tokenizer", None) is None:
@@ -95,7 +97,9 @@ def _pre_tokenizer_name(pre: dict | None) -> str:
     )
 
 
-def add_tokenizer_to_gguf(writer: gguf.GGUFWriter, tokenizer_dir: str | os.PathLike[str], vocab_size: int) -> None:
+def add_tokenizer_to_gguf(
+    writer: gguf.GGUFWriter, tokenizer_dir: str | os.PathLike[str], vocab_size: int
+) -> None:
     """Write the tokenizer in `tokenizer_dir` (a Hugging Face folder with tokenizer.json) as
     `tokenizer.ggml.*` metadata for a model with `vocab_size` embedding rows."""
     folder = Path(tokenizer_dir)

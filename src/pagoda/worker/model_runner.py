@@ -44,7 +44,9 @@ class ModelRunner:
         self.block_size = block_size
         self.model = load_model(model_dir, dtype, device, quantization=quantization)
         self.weight_format: str = self.model.weight_format
-        logger.info("loaded %s (%s activations): %s", model_dir, str(dtype).removeprefix("torch."), self.weight_format)
+        logger.info(
+            "loaded %s (%s activations): %s", model_dir, str(dtype).removeprefix("torch."), self.weight_format
+        )
         self.arch = self.model.config
         self.vocab_size = self.arch.vocab_size
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
