@@ -125,56 +125,62 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- K-quants (llama.cpp's reference algorithm) -----------------------------------------------------
+def _seq_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the first dimension in order, in float32, as the reference's C loops do (torch's
+    reductions sum pairwise and would round differently). Element-major layouts keep each step
+    one contiguous vector operation."""
+    acc = t[0].clone()
+    for i in range(1, t.shape[0]):
+        acc += t[i]
+    return acc
+
+
 def _fit_scale_min(
     x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`make_qkx2_quants` over sub-blocks `x: [n, 32]`: the scale, the (positive) min and the
-    levels L in [0, nmax] minimizing the weighted squared error of `scale * L - min`."""
-    lo = x.amin(-1, keepdim=True).clamp(max=0)
-    hi = x.amax(-1, keepdim=True)
-    span = hi - lo
-    flat = span == 0
-    span = torch.where(flat, torch.ones_like(span), span)
-    sum_w = weights.sum(-1, keepdim=True)
-    sum_x = (weights * x).sum(-1, keepdim=True)
+    """`make_qkx2_quants` over sub-blocks given element-major, `x: [32, n]`: the scales `[n]`,
+    the (positive) mins `[n]` and the levels `[32, n]` in [0, nmax] minimizing the weighted
+    squared error of `scale * L - min`.
 
+    The candidates are tried in order, each from the best min found so far (the search is path
+    dependent, as the reference's), one step for all sub-blocks at once."""
+    lo = x.amin(0).clamp(max=0)
+    hi = x.amax(0)
+    flat = hi == lo
+    sum_w = _seq_sum(weights)
+    sum_x = _seq_sum(weights * x)
+
+    span = torch.where(flat, torch.ones_like(hi), hi - lo)
     iscale = nmax / span
     scale = 1 / iscale
     levels = _nearest_int(iscale * (x - lo)).clamp(0, nmax)
-    best = (weights * (scale * levels + lo - x) ** 2).sum(-1, keepdim=True)
+    diff = scale * levels + lo - x
+    best = _seq_sum(weights * (diff * diff))
     best_min = lo
-
-    steps = torch.arange(nstep + 1, dtype=torch.float32)
-    cand_iscale = ((rmin + rdelta * steps) + nmax).reshape(1, -1, 1) / span.unsqueeze(1)  # [n, S, 1]
-    cand = _nearest_int(cand_iscale * (x - lo).unsqueeze(1)).clamp(0, nmax)  # [n, S, 32]
-    lf = cand.float()
-    w = weights.unsqueeze(1)
-    sum_l = (w * lf).sum(-1, keepdim=True)
-    sum_l2 = (w * lf * lf).sum(-1, keepdim=True)
-    sum_xl = (w * lf * x.unsqueeze(1)).sum(-1, keepdim=True)
-    sw, sx = sum_w.unsqueeze(1), sum_x.unsqueeze(1)
-    det = sw * sum_l2 - sum_l * sum_l
-    valid = det > 0
-    safe_det = torch.where(valid, det, torch.ones_like(det))
-    this_scale = (sw * sum_xl - sx * sum_l) / safe_det
-    this_min = (sum_l2 * sx - sum_l * sum_xl) / safe_det
-    positive = this_min > 0
-    this_scale = torch.where(
-        positive, sum_xl / torch.where(sum_l2 > 0, sum_l2, torch.ones_like(sum_l2)), this_scale
-    )
-    this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
-    err = (w * (this_scale * lf + this_min - x.unsqueeze(1)) ** 2).sum(-1, keepdim=True)
-    err = torch.where(valid, err, torch.full_like(err, float("inf")))
-    # The reference walks the candidates in order and keeps one only if strictly better.
-    pick = err.argmin(dim=1, keepdim=True)  # [n, 1, 1], first of equal minima
-    pick_err = torch.gather(err, 1, pick).squeeze(1)
-    better = pick_err < best
-    choose = lambda cands, current: torch.where(  # noqa: E731
-        better, torch.gather(cands, 1, pick.expand(-1, 1, cands.shape[-1])).squeeze(1), current
-    )
-    levels = choose(cand, levels)
-    scale = choose(this_scale, scale)
-    best_min = choose(this_min, best_min)
+    rdelta32 = torch.tensor(rdelta, dtype=torch.float32)
+    for step in range(nstep + 1):
+        offset = torch.tensor(rmin, dtype=torch.float32) + rdelta32 * step
+        span = torch.where(flat, torch.ones_like(hi), hi - best_min)
+        cand = _nearest_int((offset + nmax) / span * (x - best_min)).clamp(0, nmax)
+        lf = cand.float()
+        wl = weights * lf
+        sum_l, sum_l2, sum_xl = _seq_sum(wl), _seq_sum(wl * lf), _seq_sum(wl * x)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        valid = det > 0
+        safe_det = torch.where(valid, det, torch.ones_like(det))
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / safe_det
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / safe_det
+        positive = this_min > 0
+        safe_l2 = torch.where(sum_l2 > 0, sum_l2, torch.ones_like(sum_l2))
+        this_scale = torch.where(positive, sum_xl / safe_l2, this_scale)
+        this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
+        diff = this_scale * lf + this_min - x
+        err = _seq_sum(weights * (diff * diff))
+        better = valid & (err < best) & ~flat
+        levels = torch.where(better, cand, levels)
+        best = torch.where(better, err, best)
+        scale = torch.where(better, this_scale, scale)
+        best_min = torch.where(better, this_min, best_min)
 
     scale = torch.where(flat, torch.zeros_like(scale), scale)
     levels = torch.where(flat, torch.zeros_like(levels), levels)
@@ -183,8 +189,9 @@ def _fit_scale_min(
 
 
 def _k_weights(x: torch.Tensor) -> torch.Tensor:
-    """The reference's importance of each value without an imatrix: rms of the sub-block + |x|."""
-    return torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1]) + x.abs()
+    """The reference's importance of each value without an imatrix (element-major `[32, n]`):
+    rms of the sub-block + |x|."""
+    return torch.sqrt(_seq_sum(x * x) / x.shape[0]) + x.abs()
 
 
 def _quantize_6bit(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,8 +214,9 @@ def _pack_k_scales(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
 def _k_quant_levels(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int):
     """Shared Q4_K / Q5_K work for super-blocks `x: [n, 256]`: (d, dmin, packed scales, levels)."""
     n = x.shape[0]
-    sub = x.reshape(n * 8, 32)
+    sub = x.reshape(n * 8, 32).t().contiguous()  # element-major: [32, sub-blocks]
     scale, mins, levels = _fit_scale_min(sub, _k_weights(sub), nmax, rmin, rdelta, nstep)
+    levels = levels.t()
     ls, d = _quantize_6bit(scale.reshape(n, 8))
     lm, dmin = _quantize_6bit(mins.reshape(n, 8))
     d_bytes, dmin_bytes = _f16_bytes(d), _f16_bytes(dmin)
@@ -241,39 +249,42 @@ def _q5_k(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fit_symmetric(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`make_qx_quants(n, nmax, x, L, rmse_type=1)` over rows `x: [n, 16]`: the scale and the
-    levels in [0, 2 * nmax) (offset by nmax) maximizing sum(w x l)^2 / sum(w l^2), w = x^2."""
-    top = _abs_max_signed(x)
-    amax = top.abs()
-    zero = amax < 1e-15
+    """`make_qx_quants(n, nmax, x, L, rmse_type=1)` over sub-blocks given element-major,
+    `x: [16, n]`: the scales `[n]` and the levels `[16, n]` in [0, 2 * nmax) (offset by nmax)
+    maximizing sum(w x l)^2 / sum(w l^2), w = x^2, over 19 candidate steps tried in order."""
+    top = _abs_max_signed(x.t()).squeeze(-1)
+    zero = top.abs() < 1e-15
     safe_top = torch.where(zero, torch.ones_like(top), top)
-    steps = torch.tensor([0, *range(-9, 0), *range(1, 10)], dtype=torch.float32)
-    tweaks = torch.tensor(0.1, dtype=torch.float32) * steps  # 0.1f * is, in float32 as the reference
-    iscale = -(nmax + tweaks.reshape(1, -1, 1)) / safe_top.unsqueeze(1)  # [n, 19, 1]
-    # The first candidate is -nmax / max exactly (no 0.1 * 0 added in the reference).
-    iscale[:, 0] = -nmax / safe_top
-    levels = _nearest_int(iscale * x.unsqueeze(1)).clamp(-nmax, nmax - 1)  # [n, 19, 16]
-    lf = levels.float()
-    w = (x * x).unsqueeze(1)
-    sumlx = (w * x.unsqueeze(1) * lf).sum(-1)
-    suml2 = (w * lf * lf).sum(-1)
-    has = suml2 > 0
-    safe_l2 = torch.where(has, suml2, torch.ones_like(suml2))
-    scales = torch.where(has, sumlx / safe_l2, torch.zeros_like(sumlx))
-    merit = torch.where(has, scales * sumlx, torch.full_like(sumlx, float("-inf")))
-    merit[:, 0] = torch.where(has[:, 0], merit[:, 0], torch.zeros_like(merit[:, 0]))
-    pick = merit.argmax(dim=1, keepdim=True)  # first of equal maxima, as the strict `>` update
-    scale = torch.gather(scales, 1, pick)
-    chosen = torch.gather(levels, 1, pick.unsqueeze(-1).expand(-1, 1, x.shape[-1])).squeeze(1) + nmax
+    w = x * x
+    wx = w * x
+
+    def fit(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        levels = _nearest_int(iscale * x).clamp(-nmax, nmax - 1)
+        lf = levels.float()
+        return levels, _seq_sum(wx * lf), _seq_sum((w * lf) * lf)
+
+    def ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+        return num / torch.where(den != 0, den, torch.ones_like(den))
+
+    levels, sumlx, suml2 = fit(-nmax / safe_top)
+    scale = torch.where(suml2 != 0, ratio(sumlx, suml2), torch.zeros_like(suml2))
+    best = scale * sumlx
+    tenth = torch.tensor(0.1, dtype=torch.float32)
+    for step in (*range(-9, 0), *range(1, 10)):
+        cand, cand_lx, cand_l2 = fit(-(nmax + tenth * step) / safe_top)
+        better = (cand_l2 > 0) & (cand_lx * cand_lx > best * cand_l2)
+        levels = torch.where(better, cand, levels)
+        scale = torch.where(better, ratio(cand_lx, cand_l2), scale)
+        best = torch.where(better, scale * cand_lx, best)
     scale = torch.where(zero, torch.zeros_like(scale), scale)
-    chosen = torch.where(zero, torch.zeros_like(chosen), chosen)
-    return scale, chosen
+    levels = torch.where(zero, torch.full_like(levels, -nmax), levels)
+    return scale, levels + nmax
 
 
 def _q6_k(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[0]
-    scales, levels = _fit_symmetric(x.reshape(n * 16, 16), 32)
-    scales, levels = scales.reshape(n, 16), levels.reshape(n, 16, 16)
+    scales, levels = _fit_symmetric(x.reshape(n * 16, 16).t().contiguous(), 32)
+    scales, levels = scales.reshape(n, 16), levels.t().reshape(n, 16, 16)
     top = _abs_max_signed(scales)
     empty = (top.abs() < 1e-15).squeeze(-1)
     safe_top = torch.where(empty.unsqueeze(-1), torch.ones_like(top), top)
