@@ -202,7 +202,7 @@ def test_tokenizer_and_chat_template_come_from_the_file(gguf_file, tiny_model_di
 def test_dtype_auto_and_engine_arguments(gguf_file, tiny_model_dirs):
     assert resolve_dtype("auto", gguf_file("Qwen2ForCausalLM", "f32")) == torch.float32
     assert resolve_dtype("auto", gguf_file("Qwen2ForCausalLM", "q8_0")) == torch.bfloat16
-    with pytest.raises(ValueError, match="GGUF file .* does not exist"):
+    with pytest.raises(ValueError, match=r"GGUF file .* does not exist"):
         EngineArgs(model="missing.gguf")
     with pytest.raises(ValueError, match="quantization applies to safetensors"):
         EngineArgs(model=gguf_file("Qwen2ForCausalLM", "q8_0"), quantization="q8_0")
@@ -237,12 +237,14 @@ def test_unsupported_architecture_type_and_missing_key_are_named(gguf_file, tmp_
     with pytest.raises(ValueError, match="holds a 'gpt2' model; pagoda runs llama, qwen2, qwen3"):
         load_model(path, torch.float32)
     path = write_gguf(tmp_path / "nokey.gguf", "llama", {"llama.block_count": 1}, {"token_embd.weight": embd})
-    with pytest.raises(ValueError, match="has no metadata key 'llama.embedding_length'"):
+    with pytest.raises(ValueError, match=r"has no metadata key 'llama\.embedding_length'"):
         load_model(path, torch.float32)
     # An IQ2_XXS tensor in an otherwise valid file: the error names the tensor and its type.
     good = GGUFFile(gguf_file("Qwen2ForCausalLM", "q8_0"))
     meta = {
-        k: good.get(k) for k in good.keys() if k.startswith("qwen2.") and isinstance(good.get(k), int | float)
+        k: good.get(k)
+        for k in good.metadata_keys()
+        if k.startswith("qwen2.") and isinstance(good.get(k), int | float)
     }
     meta["qwen2.embedding_length"] = meta["qwen2.rope.dimension_count"] = 256
     meta["qwen2.attention.head_count"] = meta["qwen2.attention.head_count_kv"] = 1
@@ -250,7 +252,7 @@ def test_unsupported_architecture_type_and_missing_key_are_named(gguf_file, tmp_
     path = write_gguf(
         tmp_path / "iq.gguf", "qwen2", meta, {"token_embd.weight": (iq, gguf.GGMLQuantizationType.IQ2_XXS)}
     )
-    with pytest.raises(ValueError, match="'token_embd.weight' has tensor type IQ2_XXS"):
+    with pytest.raises(ValueError, match=r"'token_embd\.weight' has tensor type IQ2_XXS"):
         load_model(path, torch.float32)
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="cannot read GGUF file"):
@@ -260,7 +262,9 @@ def test_unsupported_architecture_type_and_missing_key_are_named(gguf_file, tmp_
 def test_unknown_tensor_is_named(gguf_file, tmp_path):
     good = GGUFFile(gguf_file("Qwen2ForCausalLM", "f32"))
     meta = {
-        k: good.get(k) for k in good.keys() if k.startswith("qwen2.") and isinstance(good.get(k), int | float)
+        k: good.get(k)
+        for k in good.metadata_keys()
+        if k.startswith("qwen2.") and isinstance(good.get(k), int | float)
     }
     tensors = {}
     for name in good.tensor_names():
@@ -269,5 +273,5 @@ def test_unknown_tensor_is_named(gguf_file, tmp_path):
         tensors[name] = (data, good.tensor_type(name))
     tensors["blk.0.mystery.weight"] = (np.zeros(4, np.float32), gguf.GGMLQuantizationType.F32)
     path = write_gguf(tmp_path / "extra.gguf", "qwen2", meta, tensors)
-    with pytest.raises(ValueError, match="'blk.0.mystery.weight' is not part of a qwen2 model"):
+    with pytest.raises(ValueError, match=r"'blk\.0\.mystery\.weight' is not part of a qwen2 model"):
         load_model(path, torch.float32)

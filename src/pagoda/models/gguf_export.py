@@ -60,22 +60,15 @@ class ExportSummary:
 
 
 def llama3_rope_factors(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """llama.cpp's `rope_freqs` for llama3 scaling: the divisor of each inverse frequency."""
-    base = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    """llama.cpp's `rope_freqs` for llama3 scaling: the divisor of each inverse frequency
+    (computed in float32, as llama.cpp's converter does, so the files agree byte for byte)."""
+    freqs = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     old = rope.original_max_position_embeddings
-    low_wavelen = old / rope.low_freq_factor
-    high_wavelen = old / rope.high_freq_factor
-    factors = []
-    for freq in base.tolist():
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_wavelen:
-            factors.append(1.0)
-        elif wavelen > low_wavelen:
-            factors.append(rope.factor)
-        else:
-            smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-            factors.append(1.0 / ((1 - smooth) / rope.factor + smooth))
-    return torch.tensor(factors, dtype=torch.float32)
+    wavelen = 2 * math.pi / freqs
+    smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    middle = 1 / ((1 - smooth) / rope.factor + smooth)
+    factors = torch.where(wavelen > old / rope.low_freq_factor, torch.full_like(freqs, rope.factor), middle)
+    return torch.where(wavelen < old / rope.high_freq_factor, torch.ones_like(freqs), factors)
 
 
 def plan_tensors(
@@ -106,8 +99,10 @@ def plan_tensors(
 
 
 def _add_model_metadata(
-    writer: gguf.GGUFWriter, config: ModelArchConfig, arch: str, name: str, file_type: str
+    writer: gguf.GGUFWriter, config: ModelArchConfig, hf: dict, arch: str, name: str, file_type: str
 ) -> None:
+    """The keys llama.cpp's converter writes for these architectures."""
+    writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -117,11 +112,12 @@ def _add_model_metadata(
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_rope_freq_base(config.rope.theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    if config.head_dim * config.num_heads != config.hidden_size:
+    if "head_dim" in hf or config.head_dim * config.num_heads != config.hidden_size:
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_vocab_size(config.vocab_size)
+    if arch == "llama":
+        writer.add_rope_dimension_count(config.head_dim)
+        writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(FILE_TYPES[file_type][0])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -174,7 +170,7 @@ def export_gguf(
 
     writer = gguf.GGUFWriter(str(out), arch)
     try:
-        _add_model_metadata(writer, config, arch, Path(model_dir).resolve().name, file_type)
+        _add_model_metadata(writer, config, hf, arch, Path(model_dir).resolve().name, file_type)
         add_tokenizer(writer, config.vocab_size)
         for planned in plan:
             byte_shape = (*planned.shape[:-1], row_bytes(planned.qtype, planned.shape[-1]))

@@ -39,7 +39,7 @@ class GGUFFile:
         self._tensors = {t.name: t for t in self._reader.tensors}
 
     # ---- metadata ------------------------------------------------------------------------------
-    def keys(self) -> list[str]:
+    def metadata_keys(self) -> list[str]:
         return list(self._reader.fields)
 
     def get(self, key: str, default: Any = None) -> Any:
