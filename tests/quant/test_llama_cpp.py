@@ -166,3 +166,34 @@ def test_llama_cpp_converter_files_load_like_transformers(
         )
         with torch.inference_mode():
             assert torch.equal(hf.eval()(torch.tensor([PROMPT])).logits[0], got)
+
+
+def test_perplexity_of_a_gguf_file_agrees_with_llama_cpp(tmp_path, quantize_to):
+    """The demo model as Q4_K_M, on the first chunks of the held-out text: pagoda's perplexity
+    and llama.cpp's (same tokens, same chunks, llama-perplexity's scoring) within 1%."""
+    from pagoda.assets import default_model_path
+    from pagoda.bench.perplexity import chunks, measure, tokenize_text
+    from pagoda.tokenizer import load_tokenizer
+
+    path = quantize_to(default_model_path(), tmp_path / "demo-q4_k_m.gguf", "q4_k_m")
+    text = (Path(default_model_path()).parent / "texts" / "web-heldout.txt").read_text(encoding="utf-8")
+    ctx, n_chunks = 256, 4
+    ours = measure(path, text, dtype="float32", ctx_size=ctx, max_chunks=n_chunks, log=lambda *_: None)
+    tokens, bos = tokenize_text(load_tokenizer(path), text)
+    llm = llama_cpp.Llama(
+        model_path=path, n_ctx=ctx, n_batch=ctx, logits_all=True, n_threads=2, verbose=False
+    )
+    nll, count = 0.0, 0
+    try:
+        for chunk in chunks(tokens, ctx, bos, n_chunks):
+            llm.reset()
+            llm.eval(chunk)
+            logp = torch.tensor(np.array(llm.scores[ctx // 2 : ctx - 1])).log_softmax(-1)
+            targets = torch.tensor(chunk[ctx // 2 + 1 :])
+            nll -= float(logp.gather(1, targets.unsqueeze(1)).sum())
+            count += len(targets)
+    finally:
+        llm.close()
+    assert count == ours.num_tokens
+    theirs = float(np.exp(nll / count))
+    assert abs(ours.perplexity / theirs - 1) < 0.01
