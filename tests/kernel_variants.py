@@ -25,3 +25,12 @@ def on_every_variant(fn):
         with build.use_variant(name):
             results[name] = fn()
     return results
+
+
+def unresolved_selection(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """Forget this process's kernel choice (restored after the test), so that the next use
+    chooses again under the test's environment (read once per process, at first use)."""
+    monkeypatch.setattr(build, "_status", None)
+    monkeypatch.setattr(build, "_active", None)
+    monkeypatch.delenv(build.ISA_ENV, raising=False)
+    return monkeypatch

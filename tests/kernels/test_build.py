@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_variants import RUNNABLE, requires_variants
+from kernel_variants import RUNNABLE, requires_variants, unresolved_selection
 from pagoda.kernels import build, cpu_gemm, cpu_ops
 from pagoda.layers import Linear
 
@@ -20,11 +20,7 @@ ZEN4 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"
 
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """An unresolved selection (the environment is read once per process, at first use)."""
-    monkeypatch.setattr(build, "_status", None)
-    monkeypatch.setattr(build, "_active", None)
-    monkeypatch.delenv(build.ISA_ENV, raising=False)
-    return monkeypatch
+    return unresolved_selection(monkeypatch)
 
 
 def test_variants_follow_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:

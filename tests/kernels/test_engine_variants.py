@@ -3,9 +3,11 @@ greedily to the same tokens, with logits that agree within bf16 tolerance."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
-from kernel_variants import RUNNABLE, requires_variants
+from kernel_variants import RUNNABLE, requires_variants, unresolved_selection
 from pagoda.entrypoints.llm import LLM
 from pagoda.kernels import build
 from pagoda.sampling_params import SamplingParams
@@ -50,3 +52,39 @@ def test_greedy_decode_agrees_on_every_variant_and_plain_pytorch(arch: str, tiny
                 assert ref_token in got and got[token] - got[ref_token] < 0.1, (step, got, ref)
                 break
     assert compared >= MAX_TOKENS * len(PROMPTS) // 2
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    return unresolved_selection(monkeypatch)
+
+
+@requires_variants
+def test_llm_logs_the_variant_at_start(fresh, caplog, tiny_model_dirs) -> None:
+    with caplog.at_level(logging.INFO, logger=build.__name__):
+        LLM(tiny_model_dirs["Qwen2ForCausalLM"], dtype="float32", num_kv_blocks=16)
+    [record] = [r for r in caplog.records if r.name == build.__name__]
+    assert record.levelno == logging.INFO and f"CPU kernels: {RUNNABLE[0]}" in record.getMessage()
+
+
+def test_llm_rejects_a_bad_variant_setting(fresh, tiny_model_dirs) -> None:
+    fresh.setenv(build.ISA_ENV, "avx1024")
+    with pytest.raises(ValueError, match="PAGODA_CPU_ISA='avx1024' is not one of"):
+        LLM(tiny_model_dirs["Qwen2ForCausalLM"], dtype="float32", num_kv_blocks=16)
+
+
+def test_serve_logs_the_fallback_and_rejects_a_bad_setting(fresh, caplog, capsys, tiny_model_dirs) -> None:
+    from pagoda.entrypoints import cli
+    from pagoda.entrypoints.openai import app
+
+    fresh.setattr(app, "run_server", lambda engine_args, config: 0)
+    argv = ["serve", tiny_model_dirs["Qwen2ForCausalLM"], "--dtype", "float32"]
+    fresh.setenv(build.ISA_ENV, "none")
+    with caplog.at_level(logging.INFO, logger=build.__name__):
+        assert cli.main(argv) == 0
+    [record] = [r for r in caplog.records if r.name == build.__name__]
+    assert record.levelno == logging.INFO and "disabled by PAGODA_CPU_ISA=none" in record.getMessage()
+    fresh.setattr(build, "_status", None)
+    fresh.setenv(build.ISA_ENV, "avx1024")
+    assert cli.main(argv) != 0
+    assert "PAGODA_CPU_ISA='avx1024' is not one of" in capsys.readouterr().err

@@ -11,6 +11,7 @@ _SUBCOMMAND_MODULES = (
     "pagoda.entrypoints.serve_cli",  # serve, generate, chat
     "pagoda.bench.cli",  # bench offline / serve / sweep
     "pagoda.router.cli",  # router, launch
+    "pagoda.entrypoints.info_cli",  # info
 )
 
 
