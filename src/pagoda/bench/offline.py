@@ -162,9 +162,12 @@ def run(args: argparse.Namespace) -> int:
     from pagoda.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
+    from pagoda.kernels import build as cpu_kernels
+
     print(
         f"model: {model}\nworkload: {args.workload}, {n} requests, input {input_len}, output {output_len}, "
-        f"dtype {args.dtype}, threads {torch.get_num_threads()}"
+        f"dtype {args.dtype}, threads {torch.get_num_threads()}\n"
+        f"kernel variant: {cpu_kernels.status().describe()}"
     )
     results: list[RunResult] = []
     if args.workload == "structured":
@@ -179,8 +182,54 @@ def run(args: argparse.Namespace) -> int:
             results.append(_run_llama_cpp(model, prompts, output_len, torch.get_num_threads()))
         elif not args.no_baseline:
             results.append(_run_transformers(model, args.dtype, prompts, output_len))
-    _report(args, results)
+    roofline = _roofline(model, args.dtype, results) if args.workload == "single" else None
+    _report(args, results, {"kernel_variant": cpu_kernels.status().variant, "roofline": roofline})
     return 0
+
+
+def weight_bytes_per_token(model: str, dtype: str) -> int:
+    """Bytes of weights one decode step reads: every linear layer and the LM head (the embedding
+    only gives one row), from the checkpoint's config."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model)
+    heads, hidden = c.num_attention_heads, c.hidden_size
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * c.intermediate_size
+    params = c.num_hidden_layers * per_layer + c.vocab_size * hidden
+    return params * {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+
+
+def _roofline(model: str, dtype: str, results: list[RunResult]) -> dict:
+    """Single-stream decode against the memory-read roofline: weight bytes per token over the
+    read bandwidth measured now, in the same run."""
+    from pagoda.kernels.bandwidth import measure_read_bandwidth
+
+    per_token = weight_bytes_per_token(model, dtype)
+    bandwidth = measure_read_bandwidth()
+    limit = bandwidth.best_gb_s * 1e9 / per_token
+    lines = [
+        f"roofline: {per_token / 1e9:.3f} GB of weights per token / read bandwidth "
+        f"{bandwidth.describe()} = {limit:.1f} tok/s"
+    ]
+    reached = {}
+    for r in results:
+        reached[r.name] = round(r.output_tokens / r.seconds / limit, 4)
+        line = f"  {r.name}: {r.output_tokens / r.seconds:.1f} tok/s = {reached[r.name]:.0%} of the roofline"
+        if r.ttfts and r.output_tokens > 1 and r.seconds > max(r.ttfts):
+            # Decode alone: the tokens after the first over the time after it.
+            decode = (r.output_tokens - 1) / (r.seconds - max(r.ttfts))
+            reached[f"{r.name} decode"] = round(decode / limit, 4)
+            line += f" (decode alone {decode:.1f} tok/s = {decode / limit:.0%})"
+        lines.append(line)
+    return {
+        "weight_bytes_per_token": per_token,
+        "bandwidth": bandwidth.to_dict(),
+        "tok_per_s": round(limit, 2),
+        "fraction_reached": reached,
+        "summary": lines,
+    }
 
 
 def _default_model(vocab_size: int) -> str:
@@ -490,7 +539,7 @@ def _run_structured(args, model, tokenizer, n, input_len, output_len) -> list[Ru
     return results
 
 
-def _report(args, results: list[RunResult]) -> None:
+def _report(args, results: list[RunResult], extra: dict) -> None:
     rows = [r.row() for r in results]
     base = results[-1]
     print(
@@ -511,6 +560,8 @@ def _report(args, results: list[RunResult]) -> None:
     if len(results) == 2 and results[0].ttfts and results[1].ttfts:
         speedup = statistics.fmean(results[1].ttfts) / statistics.fmean(results[0].ttfts)
         print(f"mean TTFT, {results[1].name} / {results[0].name}: {speedup:.2f}x")
+    if extra["roofline"]:
+        print("\n" + "\n".join(extra["roofline"]["summary"]))
     if args.result_file:
         with open(args.result_file, "w") as f:
-            json.dump({"workload": args.workload, "results": rows}, f, indent=2)
+            json.dump({"workload": args.workload, "results": rows, **extra}, f, indent=2)

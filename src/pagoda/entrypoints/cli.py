@@ -12,6 +12,7 @@ _SUBCOMMAND_MODULES = (
     "pagoda.entrypoints.quantize_cli",  # quantize
     "pagoda.bench.cli",  # bench offline / serve / sweep
     "pagoda.router.cli",  # router, launch
+    "pagoda.entrypoints.info_cli",  # info
 )
 
 

@@ -261,8 +261,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         return _launch_replicas(args, model, config)
     from pagoda.entrypoints.openai.app import run_server
+    from pagoda.kernels import build as cpu_kernels
 
     try:
+        cpu_kernels.available()  # logs the CPU kernel variant, or why the PyTorch path is used
         return run_server(engine_args, config)
     except ValueError as exc:  # e.g. a model folder that does not load
         return _fail("serve", str(exc))
