@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineArgs, resolve_dtype
+from pagoda.kernels import build
 from pagoda.models.gguf import llama_qk_rows, llama_qk_rows_inverse
 from pagoda.models.loader import load_model
 from pagoda.models.synthetic import build_random_model
@@ -137,7 +138,8 @@ def test_transformers_loads_the_files_pagoda_writes(gguf_file, tiny_model_dirs, 
         if file_type == "f32":
             assert torch.equal(got, original(ids).logits[0])
         # transformers dequantizes to float32 as pagoda's reference path does: the same logits.
-        ours = prompt_logits(path, paged_harness, PROMPTS[1])
+        with build.use_variant(None):  # the reference path (no 8-bit activations)
+            ours = prompt_logits(path, paged_harness, PROMPTS[1])
         torch.testing.assert_close(ours, got, rtol=1e-4, atol=1e-4)
 
 

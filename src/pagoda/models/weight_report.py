@@ -43,8 +43,8 @@ def weight_report(model: nn.Module) -> WeightReport:
         if isinstance(packed, QuantLinear):
             added = count(packed, packed.nbytes)
             if added:
-                for seg in packed.segments:
-                    values[seg.qtype.name] = values.get(seg.qtype.name, 0) + seg.shape[0] * seg.shape[1]
+                for name, count_ in packed.values_by_type().items():
+                    values[name] = values.get(name, 0) + count_
             nbytes += added
         elif isinstance(packed, cpu_gemm.PackedWeight):
             size = packed.data.numel() * packed.data.element_size()

@@ -2,8 +2,13 @@
 
 The weight is a list of row segments, one `GGMLTensor` each: a fused projection whose parts come
 in different types (Q4_K_M stores some `attn_v` as Q6_K next to a Q4_K `attn_q`) keeps one
-segment per run of equal types. Each segment is multiplied by the reference: dequantize to
-float32 and `F.linear`.
+segment per run of equal types.
+
+Q8_0 and Q4_0 segments are repacked once for the integer kernels (`pagoda.kernels.cpu_quant`)
+where they run: up to `INTEGER_MAX_ROWS` rows (decode) multiply with 8-bit activations and
+integer dot products, bound by memory bandwidth; more rows (prefill) are bound by arithmetic and
+take the dequantized float32 weight and `F.linear`. Every other type, and every type where the
+kernels do not run, takes the reference: dequantize to float32 and `F.linear`.
 """
 
 from __future__ import annotations
@@ -13,8 +18,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from pagoda.kernels import cpu_quant
 from pagoda.quant.formats import GGMLType
 from pagoda.quant.tensor import GGMLTensor
+
+# Rows up to which the integer kernel beats dequantize + fp32 GEMM (measured; see the module doc).
+INTEGER_MAX_ROWS = 16
 
 
 def merge_runs(parts: Sequence[GGMLTensor]) -> list[GGMLTensor]:
@@ -48,17 +57,40 @@ class QuantLinear:
         self.out_features = rows // 2 if swiglu else rows
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.segments = merge_runs(segments)
+        # The kernels' layout replaces a segment's raw rows (the same bytes, no second copy).
+        self.packed: list[cpu_quant.PackedQuant | None] = []
+        for index, seg in enumerate(self.segments):
+            if cpu_quant.supports(seg.qtype) and seg.shape[1] % cpu_quant.BLOCK == 0:
+                self.packed.append(cpu_quant.pack(seg.qtype, seg.data, seg.shape[1]))
+                self.segments[index] = GGMLTensor(seg.qtype, seg.data[:0], (0, seg.shape[1]))
+            else:
+                self.packed.append(None)
+        self.segment_rows = [
+            p.rows if p is not None else seg.shape[0]
+            for seg, p in zip(self.segments, self.packed, strict=True)
+        ]
 
     @property
     def qtypes(self) -> list[GGMLType]:
         return [seg.qtype for seg in self.segments]
+
+    def values_by_type(self) -> dict[str, int]:
+        """Weight values per storage type."""
+        counts: dict[str, int] = {}
+        for seg, rows in zip(self.segments, self.segment_rows, strict=True):
+            counts[seg.qtype.name] = counts.get(seg.qtype.name, 0) + rows * self.in_features
+        return counts
 
     def describe(self) -> str:
         return "+".join(dict.fromkeys(t.name for t in self.qtypes))
 
     @property
     def nbytes(self) -> int:
-        return sum(seg.nbytes for seg in self.segments) + (0 if self.bias is None else self.bias.numel() * 4)
+        weights = sum(
+            p.nbytes if p is not None else seg.nbytes
+            for seg, p in zip(self.segments, self.packed, strict=True)
+        )
+        return weights + (0 if self.bias is None else self.bias.numel() * 4)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """`x: [..., in_features]` (float) → `[..., out_features]` in `out_dtype` (default x's)."""
@@ -66,7 +98,18 @@ class QuantLinear:
             raise ValueError(f"x has {x.shape[-1]} features, the weight expects {self.in_features}")
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
-        outs = [flat.float() @ seg.dequantize().t() for seg in self.segments]
+        integer = flat.shape[0] <= INTEGER_MAX_ROWS
+        quantized = None
+        outs = []
+        for seg, packed in zip(self.segments, self.packed, strict=True):
+            if packed is None:
+                outs.append(flat.float() @ seg.dequantize().t())
+            elif integer:
+                if quantized is None:  # x rounded to 8 bits once for every segment
+                    quantized = cpu_quant.quantize_activations(flat)
+                outs.append(cpu_quant.linear(flat, packed, quantized))
+            else:
+                outs.append(flat.float() @ cpu_quant.dequantize(packed).t())
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.bias is not None:
             y = y + self.bias
@@ -76,7 +119,12 @@ class QuantLinear:
 
     def dequantize(self) -> torch.Tensor:
         """The whole weight as float32 `[rows, in_features]` (reference and tests)."""
-        return torch.cat([seg.dequantize() for seg in self.segments])
+        return torch.cat(
+            [
+                cpu_quant.dequantize(p) if p is not None else seg.dequantize()
+                for seg, p in zip(self.segments, self.packed, strict=True)
+            ]
+        )
 
     def gather_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Weight rows `index` (any shape) as float32 `[*index.shape, in_features]`: an embedding
@@ -84,10 +132,13 @@ class QuantLinear:
         flat = index.reshape(-1)
         out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
         start = 0
-        for seg in self.segments:
-            rows = seg.shape[0]
+        for seg, packed, rows in zip(self.segments, self.packed, self.segment_rows, strict=True):
             hit = (flat >= start) & (flat < start + rows)
             if hit.any():
-                out[hit] = seg.take_rows(flat[hit] - start).dequantize()
+                local = flat[hit] - start
+                if packed is not None:
+                    out[hit] = cpu_quant.dequantize_rows(packed, local)
+                else:
+                    out[hit] = seg.take_rows(local).dequantize()
             start += rows
         return out.reshape(*index.shape, self.in_features)
