@@ -7,9 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from lang_helpers import ENGINE_FLAGS, LANG_MODEL_CONTEXT
 
 import pagoda.lang as pl
+
+from .lang_helpers import ENGINE_FLAGS, LANG_MODEL_CONTEXT
 
 
 @pytest.fixture(scope="session")

@@ -8,10 +8,11 @@ import re
 
 import jsonschema
 import pytest
-from lang_helpers import ENGINE_FLAGS
 
 import pagoda.lang as pl
 from pagoda import LLM, SamplingParams
+
+from .lang_helpers import ENGINE_FLAGS
 
 RECORD_SCHEMA = {
     "type": "object",

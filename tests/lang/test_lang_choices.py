@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from lang_fakes import FakeBackend
 
 import pagoda.lang as pl
 from pagoda.lang.select import choice_spans
+
+from .lang_fakes import FakeBackend
 
 
 def tokens(*logprobs: float) -> list[tuple[float, int, None]]:

@@ -6,11 +6,12 @@ import threading
 import time
 
 import pytest
-from lang_fakes import FakeBackend
 
 import pagoda.lang as pl
 from pagoda.lang.interpreter import MIN_COMMON_PREFIX_CHARS
 from pagoda.lang.ir import REGEX_FLOAT, REGEX_INT, REGEX_STR
+
+from .lang_fakes import FakeBackend
 
 
 @pytest.fixture
