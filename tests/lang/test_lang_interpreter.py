@@ -8,7 +8,7 @@ import time
 import pytest
 
 import pagoda.lang as pl
-from pagoda.lang.interpreter import MIN_COMMON_PREFIX_CHARS
+from pagoda.lang.interpreter import MIN_COMMIT_CHARS
 from pagoda.lang.ir import REGEX_FLOAT, REGEX_INT, REGEX_STR
 
 from .lang_fakes import FakeBackend
@@ -211,9 +211,12 @@ def test_fork_commits_the_shared_prefix_once_and_branches_run_concurrently() -> 
 
     fake = FakeBackend(reply)
 
+    shared = "a long shared context. " * 3
+    assert len(shared) >= MIN_COMMIT_CHARS
+
     @pl.function
     def prog(s):
-        s += "shared "
+        s += shared
         forks = s.fork(3)
         for i, f in enumerate(forks):
             f += f"b{i}" + pl.gen("x")
@@ -222,11 +225,24 @@ def test_fork_commits_the_shared_prefix_once_and_branches_run_concurrently() -> 
         forks.join()
 
     state = prog.run(backend=fake)
-    assert fake.of_kind("commit") == ["shared "]
+    assert fake.of_kind("commit") == [shared]
     assert state["xs"] == ["0", "1", "2"]
-    assert state["texts"] == ["shared b00", "shared b11", "shared b22"]
+    assert state["texts"] == [f"{shared}b00", f"{shared}b11", f"{shared}b22"]
     assert state["x"] == ["0", "1", "2"]  # gathered by join
-    assert state.text() == "shared "
+    assert state.text() == shared
+
+
+def test_fork_commits_only_text_its_requests_have_not_computed(fake: FakeBackend) -> None:
+    @pl.function
+    def prog(s, extra):
+        s += "x" * 100 + pl.gen("a")  # the gen's request computed all of this
+        s += extra
+        s.fork(2)
+
+    prog.run("short tail", backend=fake)
+    assert fake.of_kind("commit") == []  # less than MIN_COMMIT_CHARS is new: not worth a round trip
+    state = prog.run("t" * MIN_COMMIT_CHARS, backend=fake)
+    assert fake.of_kind("commit") == [state.text()]
 
 
 def test_fork_of_one_and_of_nothing_do_not_commit(fake: FakeBackend) -> None:
@@ -324,16 +340,19 @@ def test_select_scores_each_choice_after_committing_the_prompt() -> None:
     fake = FakeBackend(logprob=lambda before, tok: 0.0 if tok == ord("y") else -1.0)
 
     @pl.function
-    def prog(s):
-        s += "Q? " + pl.select("v", choices=["n", "yn", "yy"])
+    def prog(s, question):
+        s += question + pl.select("v", choices=["n", "yn", "yy"])
 
-    state = prog.run(backend=fake)
+    state = prog.run("Q? ", backend=fake)
     assert state["v"] == "yy" and state.text() == "Q? yy"
-    assert fake.of_kind("commit") == ["Q? "]
+    assert fake.of_kind("commit") == []  # too short to be worth committing
     ((prompts, starts),) = fake.of_kind("score")
     assert prompts == [[ord(c) for c in "Q? " + ch] for ch in ["n", "yn", "yy"]] and starts == [3, 3, 3]
     meta = state.get_meta_info("v")
     assert meta["normalized_prompt_logprobs"] == [-1.0, -0.5, 0.0]
+    long_question = "Is this long question, which fills more than a block, answered yes? "
+    assert prog.run(long_question, backend=fake)["v"] == "yy"
+    assert fake.of_kind("commit") == [long_question]
 
 
 def test_select_without_prompt_logprobs_names_backend_and_need(fake: FakeBackend) -> None:
@@ -352,7 +371,7 @@ def test_select_without_prompt_logprobs_names_backend_and_need(fake: FakeBackend
 def test_run_batch_commits_the_common_prefix_and_keeps_order() -> None:
     fake = FakeBackend(lambda prompt, params: prompt[-2:])
     shared = "You classify questions. " * 4
-    assert len(shared) >= MIN_COMMON_PREFIX_CHARS
+    assert len(shared) >= MIN_COMMIT_CHARS
 
     @pl.function
     def prog(s, q):

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import pagoda.lang as pl
 
-PROMPT = "Review: the soup was cold\nSentiment:"
+PROMPT = "Review: the soup was cold and the waiter never came back to our table\nSentiment:"
 # "positive" and "positively" share their first tokens; " pos" and " neg" start with a space token.
 CHOICES = [" positive", " positively", " negative", " neutral"]
 

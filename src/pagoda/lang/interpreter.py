@@ -8,6 +8,9 @@ together; reading a branch (`f["x"]`, `f.text()`) waits for what was appended to
 
 `fork` first commits the text so far (the backend computes it once, see backend/base.py), so every
 branch's first request starts from a prefix-cache hit instead of k requests computing it at once.
+An executor tracks how much of its text its last request already put in the cache (the prompt and
+output of a gen); when less than MIN_COMMIT_CHARS is new since then there is nothing worth a
+round trip (the cache keeps whole blocks only), and the commit is skipped.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from pagoda.lang.errors import UndefinedVariableError
 from pagoda.lang.ir import Expr, ExprList, Gen, GenParams, RoleBegin, RoleEnd, Select, Text, as_expr
 
 MAX_FORK = 512  # branches of one fork (each runs on a thread)
-# run_batch commits the programs' common prefix when it is at least this long (shorter ones fit in
-# less than one KV block, which the cache would not keep).
-MIN_COMMON_PREFIX_CHARS = 64
+# Text shorter than this (about one KV block of tokens, which is all the cache would keep of it) is
+# not worth a commit: fork and select skip it when their uncached text is shorter, and run_batch
+# when the programs' common prefix is.
+MIN_COMMIT_CHARS = 64
 
 
 class _StopTrace(Exception):
@@ -95,6 +99,8 @@ class _Executor:
             self.meta = dict(parent.meta)
             self.role, self.role_start, self.role_suffix = parent.role, parent.role_start, parent.role_suffix
         self.fork_start = len(self.text)
+        # text[:cached_upto] is what this state's requests so far have computed (and so cached)
+        self.cached_upto = 0 if parent is None else parent.cached_upto
         self.error: BaseException | None = None
         self.pending: Counter[str] = Counter()  # queued gens/selects per variable name (threaded)
         self.streaming: str | None = None  # the variable a streamed gen is writing
@@ -161,8 +167,8 @@ class _Executor:
         if self.run.tracing:
             raise _StopTrace
         self.sync()
-        if size > 1 and self.text:
-            self.backend.commit(self.text)
+        if size > 1:
+            self._commit()
         return [_Executor(self.run, threaded=True, parent=self) for _ in range(size)]
 
     def end(self) -> None:
@@ -270,6 +276,14 @@ class _Executor:
             self.text += text
             self.cond.notify_all()
 
+    def _commit(self) -> bool:
+        """Commit the text unless little of it is new since this state's last request."""
+        if len(self.text) - self.cached_upto < MIN_COMMIT_CHARS:
+            return False
+        self.backend.commit(self.text)
+        self.cached_upto = len(self.text)
+        return True
+
     def _set_result(self, name: str | None, value: str, meta: Any) -> None:
         with self.cond:
             if name is not None:
@@ -289,6 +303,7 @@ class _Executor:
         if not self.run.stream:
             out = self.backend.generate(prompt, params)
             self._append(out.text)
+            self.cached_upto = len(self.text)
             self._set_result(expr.name, out.text, out.meta_info())
             return
         out = None
@@ -310,6 +325,7 @@ class _Executor:
             with self.cond:
                 self.streaming = None
         assert out is not None, "a backend stream ends with its GenOutput"
+        self.cached_upto = len(self.text)
         self._set_result(expr.name, out.text, out.meta_info())
 
     def _select(self, expr: Select) -> None:
@@ -317,8 +333,11 @@ class _Executor:
             raise _StopTrace
         if not self.text:
             raise ValueError(f"pl.select({expr.name!r}) has no prompt: the program's text is empty")
+        self.backend.check_prompt_logprobs()  # before any request
+        self._commit()
         decision = select_impl.select(self.backend, self.text, list(expr.choices), expr.choices_method)
         self._append(decision.decision)
+        self.cached_upto = len(self.text)  # the chosen choice's request computed it
         self._set_result(expr.name, decision.decision, decision.meta_info)
 
     def _role_begin(self, role: str) -> None:
@@ -562,7 +581,7 @@ def run_program_batch(
     if len(batch) > 1:
         prefixes = [p for kw in batch if (p := trace_prefix(func, backend, (), kw, defaults)) is not None]
         common = _common_prefix(prefixes) if len(prefixes) > 1 else ""
-        if len(common) >= MIN_COMMON_PREFIX_CHARS:
+        if len(common) >= MIN_COMMIT_CHARS:
             backend.commit(common)
     results: list[ProgramState | BaseException | None] = [None] * len(batch)
 

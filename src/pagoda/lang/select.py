@@ -3,7 +3,7 @@
 The choices are scored as the text would continue: the prompt plus the choice is tokenized whole,
 and the choice's tokens are those from the first position where that differs from the prompt's
 own tokens (so a choice that merges with the prompt's last token scores the merged token). The
-prompt is committed first, so every choice's request finds it in the prefix cache.
+caller commits the prompt first, so every choice's request finds it in the prefix cache.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ def select(
     prompt_ids = backend.tokenize(prompt)
     full = [backend.tokenize(prompt + choice) for choice in choices]
     starts = choice_spans(prompt_ids, full)
-    backend.commit(prompt)
     scored = backend.prompt_logprobs(full, starts)
     input_token_logprobs: list[list[TokenLogprob]] = [
         [(lp, ids[start + j], None) for j, lp in enumerate(lps)]
