@@ -232,3 +232,29 @@ def build_family_model(root: Path, name: str, seed: int = 0) -> str:
     config["eos_token_id"] = eos_ids
     config_path.write_text(json.dumps(config))
     return out
+
+
+# Each family's rendering of a call to get_time(tz="utc") and of its result, "22C".
+RENDERED = {
+    "qwen25": (
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "utc"}}\n</tool_call>',
+        "<tool_response>\n22C\n</tool_response>",
+    ),
+    "qwen3": (
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "utc"}}\n</tool_call>',
+        "<tool_response>\n22C\n</tool_response>",
+    ),
+    "qwen3_coder": (
+        "<tool_call>\n<function=get_time>\n<parameter=tz>\nutc\n</parameter>\n</function>\n</tool_call>",
+        "<tool_response>\n22C\n</tool_response>",
+    ),
+    "llama31": (
+        '{"name": "get_time", "parameters": {"tz": "utc"}}<|eom_id|>',
+        "<|start_header_id|>ipython<|end_header_id|>\n\n22C<|eot_id|>",
+    ),
+    "mistral_v03": (
+        '[TOOL_CALLS] [{"name": "get_time", "arguments": {"tz": "utc"}, "id": "',
+        '[TOOL_RESULTS] {"content": "22C", "call_id": "',
+    ),
+    "mistral_v11": ('[TOOL_CALLS]get_time[ARGS]{"tz": "utc"}', "[TOOL_RESULTS]22C[/TOOL_RESULTS]"),
+}

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from chat_families import build_family_model
+from chat_families import RENDERED, build_family_model
 
 from pagoda.tokenizer import load_tokenizer
 
@@ -46,30 +46,6 @@ def _tools(family: str) -> list[dict]:
 SCHEMAS = {"get_weather": WEATHER, "get_forecast": FORECAST, "get_time": CLOCK}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL_FAMILIES = ["qwen25", "qwen3_coder", "llama31", "mistral_v03", "mistral_v11"]
-# Each family's rendering of a call to get_time(tz="utc") and of its result, "22C".
-RENDERED = {
-    "qwen25": (
-        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "utc"}}\n</tool_call>',
-        "<tool_response>\n22C\n</tool_response>",
-    ),
-    "qwen3": (
-        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "utc"}}\n</tool_call>',
-        "<tool_response>\n22C\n</tool_response>",
-    ),
-    "qwen3_coder": (
-        "<tool_call>\n<function=get_time>\n<parameter=tz>\nutc\n</parameter>\n</function>\n</tool_call>",
-        "<tool_response>\n22C\n</tool_response>",
-    ),
-    "llama31": (
-        '{"name": "get_time", "parameters": {"tz": "utc"}}<|eom_id|>',
-        "<|start_header_id|>ipython<|end_header_id|>\n\n22C<|eot_id|>",
-    ),
-    "mistral_v03": (
-        '[TOOL_CALLS] [{"name": "get_time", "arguments": {"tz": "utc"}, "id": "',
-        '[TOOL_RESULTS] {"content": "22C", "call_id": "',
-    ),
-    "mistral_v11": ('[TOOL_CALLS]get_time[ARGS]{"tz": "utc"}', "[TOOL_RESULTS]22C[/TOOL_RESULTS]"),
-}
 
 
 @pytest.fixture(scope="module")
@@ -279,15 +255,21 @@ def test_auto_and_none(server) -> None:
 
 
 def test_user_constraint_with_auto_is_parsed_for_calls(server) -> None:
+    """A user's constraint combines with auto (its text is parsed for calls) and with none."""
     base = server("qwen25")
     fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": CLOCK}}
-    kw = dict(
-        messages=ASK, tools=_tools("qwen25"), temperature=1.0, max_tokens=60, seed=2, response_format=fmt
-    )
+    kw = dict(messages=ASK, tools=_tools("qwen25"), temperature=1.0, max_tokens=80, seed=2)
+    call = '<tool_call>\\n\\{"name": "get_time", "arguments": \\{"tz": "(utc|cet)"\\}\\}\\n</tool_call>'
+    regex = {"structured_outputs": {"regex": "Checking\\. " + call}}
     for get in (_whole, _streamed):
-        (choice,) = get(base, tool_choice="auto", **kw).values()
+        (choice,) = get(base, tool_choice="auto", response_format=fmt, **kw).values()
         assert choice["calls"] == [] and choice["finish"] == "stop"
         jsonschema.validate(json.loads(choice["content"]), CLOCK)
+        (choice,) = get(base, tool_choice="auto", extra_body=regex, **kw).values()
+        assert choice["content"] == "Checking." and choice["finish"] == "tool_calls"
+        _check_calls(choice, {"get_time"})
+        (choice,) = get(base, tool_choice="none", extra_body=regex, **kw).values()
+        assert choice["calls"] == [] and choice["content"].startswith("Checking. <tool_call>")
 
 
 # ---- reasoning ---------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def register(subparsers: Any) -> None:
     chat.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
-        help="accepted for vLLM compatibility: tool_choice auto is on whenever a tool call parser is",
+        help="accepted for vLLM command lines; pagoda always serves tool_choice auto when it parses calls",
     )
     chat.add_argument(
         "--reasoning-parser",
@@ -283,7 +283,6 @@ def _run_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
-            enable_auto_tool_choice=args.enable_auto_tool_choice,
             default_chat_template_kwargs=args.default_chat_template_kwargs or {},
         )
     except (ValueError, OSError, ImportError) as exc:

@@ -50,9 +50,6 @@ class ServerConfig:
     # Chat replies: parsers by vLLM's names (None: chosen from the chat template; "none": off).
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
-    # vLLM's --enable-auto-tool-choice: accepted so vLLM command lines run; auto tool choice is on
-    # whenever a tool call parser is.
-    enable_auto_tool_choice: bool = False
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

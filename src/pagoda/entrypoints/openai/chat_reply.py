@@ -111,6 +111,7 @@ class ReplyPlan:
     parser_config: ParserConfig | None  # None: calls are not parsed
     reasoning: tuple[str, PromptState] | None
     named: bool  # a named tool choice: the reply ends with "stop", not "tool_calls"
+    tools_constrain: bool = False  # the constraint comes from the tools (their schemas compile into it)
 
     def new_choice(self) -> ChoiceParser:
         hidden = HiddenText(self.hidden) if self.hidden else None
@@ -137,6 +138,7 @@ def plan_reply(
     names = frozenset(t.name for t in tools)
     structured = user
     constrained: frozenset[str] = frozenset()
+    from_tools = False
     if mode in ("required", "named"):
         if fmt is None:
             raise ParamError(
@@ -148,11 +150,13 @@ def plan_reply(
         name = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
         structured = tool_call_constraint(fmt.syntax, tools, mode, name=name, parallel=parallel, think=think)
         constrained = frozenset([name]) if name is not None else names
+        from_tools = True
     elif mode == "auto" and fmt is not None and user is None:
         structured = tool_call_constraint(fmt.syntax, tools, "auto", parallel=parallel, think=think)
         if structured is not None:
             all_calls = not parallel or fmt.syntax.marker is not None
             constrained = names if all_calls else frozenset(t.name for t in tools if t.strict)
+            from_tools = True
     elif user is not None and think is not None:
         structured = answer_after_thinking(user, think)
     parse_calls = mode != "none" and fmt is not None
@@ -166,4 +170,5 @@ def plan_reply(
         else None,
         reasoning=(reasoning, state) if reasoning is not None else None,
         named=mode == "named",
+        tools_constrain=from_tools,
     )

@@ -460,6 +460,10 @@ class TokenizeRequest(ChatTemplateFields):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt and messages")
+        chat_only = ("tools", "documents", "chat_template_kwargs", "continue_final_message")
+        used = [name for name in chat_only if getattr(self, name)]
+        if self.prompt is not None and used:
+            raise ValueError(f"{used[0]} is only for messages, not a prompt")
         return self
 
 

@@ -63,7 +63,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         plan = plan_reply(body, state.chat, prompt_state(rendered.tail), params.skip_special_tokens)
     except ParamError as exc:
         raise param_error(exc) from None
-    if plan.structured != params.structured_outputs and plan.structured is not None and params.min_tokens:
+    if plan.tools_constrain and params.min_tokens:
         raise APIError(
             "min_tokens cannot be combined with a tool choice the grammar enforces", param="min_tokens"
         )
@@ -75,9 +75,16 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     state.check_length(len(prompt_ids), params.max_tokens, param)
     request_id = new_id("chatcmpl")
-    stream = await state.start(
-        [request_id], [prompt_ids], params, cache_salt=body.cache_salt, stream=bool(body.stream)
-    )
+    try:
+        stream = await state.start(
+            [request_id], [prompt_ids], params, cache_salt=body.cache_salt, stream=bool(body.stream)
+        )
+    except APIError as exc:
+        if exc.status == 400 and plan.tools_constrain and exc.param is None:
+            raise APIError(
+                f"the tools' parameters cannot be enforced: {exc.message}", param="tools"
+            ) from None
+        raise
     if body.stream:
         return StreamResponse(_stream(state, body, plan, stream, model, request_id, len(prompt_ids)), stream)
     try:

@@ -8,7 +8,6 @@ the call ids it hands out, and any rewriting of the history its template needs.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +24,6 @@ from pagoda.entrypoints.openai.tool_parsers.base import (
     openai_call_id,
 )
 from pagoda.structured.tags import CallSyntax
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "TOOL_PARSERS",

@@ -61,9 +61,6 @@ class ToolDelta:
         else:
             self.calls.append(ToolCallDelta(index, arguments=text))
 
-    def __bool__(self) -> bool:
-        return bool(self.content or self.calls)
-
 
 @dataclass
 class ToolCall:
@@ -327,7 +324,7 @@ class CanonicalBlock:
         self._separator = ""
 
 
-class ToolParser:
+class ToolParser(ABC):
     """The streaming driver. Families set ``markers`` (strings that start a call block) and
     ``held_block()``; ``find_start`` is overridden where blocks start elsewhere (Llama)."""
 
@@ -339,9 +336,8 @@ class ToolParser:
         self.new_id = new_id
         self._buf = ""
         self._block: CanonicalBlock | HeldBlock | None = None
-        self._pending_ws = (
-            ""  # trailing whitespace of the content, held until it is known not to precede a call
-        )
+        # Trailing whitespace of the content, held until it is known not to precede a call.
+        self._pending_ws = ""
         self._ws_before_block = ""
         self._after_call = False
         self._num_calls = 0
@@ -361,8 +357,9 @@ class ToolParser:
                     break
         return None, hold
 
+    @abstractmethod
     def held_block(self) -> HeldBlock:
-        raise NotImplementedError
+        """A new block of this family's calls, read whole."""
 
     def new_arguments(self, name: str) -> ArgumentScanner:
         return JsonArguments()
@@ -372,7 +369,7 @@ class ToolParser:
         starts = [len(m) for m in self.markers if raw.startswith(m)]
         return max(starts) if starts else max(1, len(raw))
 
-    def on_block_end(self, ok: bool) -> None:
+    def on_block_end(self, ok: bool) -> None:  # noqa: B027 (a hook: most families need nothing)
         """A call block ended, well-formed or not (Llama allows a next one only right after a call)."""
 
     # ---- driver --------------------------------------------------------------------------------------
@@ -410,17 +407,17 @@ class ToolParser:
                 self._text(out, self._buf[:start])
                 self._ws_before_block, self._pending_ws = self._pending_ws, ""
                 self._buf = self._buf[start:]
-                self._block = self.held_block() if not self.config.constrained else None
-                if self._block is None:
+                if self.config.constrained:
                     self._block = CanonicalBlock(
                         self.syntax, self.config.constrained, self.new_arguments, self
                     )
+                else:
+                    self._block = self.held_block()
             text, self._buf = self._buf, ""
             result = self._feed_block(text, final, out)
             if result.status == "more":
-                if not final:
-                    return
-                result = BlockResult("failed", self._block.raw if self._block is not None else text)
+                assert not final, "a block is settled once the output ends"
+                return
             self._block = None
             if result.status == "done":
                 for name, arguments in result.calls:
