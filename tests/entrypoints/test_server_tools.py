@@ -207,6 +207,13 @@ def test_history_with_tool_results_round_trips(server, family: str) -> None:
     assert rendered.index(call_text) < rendered.index(result_text)
     follow = _create(base, messages=history, tools=tools, temperature=0.0, max_tokens=8)
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # Clients append the reply's message object itself.
+    again = _create(base, messages=[*ASK, reply.choices[0].message, history[-1]], tools=tools, max_tokens=4)
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    as_dict = {**reply.choices[0].message.model_dump(), "tool_calls": [call.model_dump()]}
+    assert {"refusal", "audio", "function_call", "annotations"} <= set(as_dict)
+    again = _create(base, messages=[*ASK, as_dict, history[-1]], tools=tools, max_tokens=4)
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_foreign_call_ids_are_mapped_for_mistral(server) -> None:

@@ -114,6 +114,8 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
 
 def check_template_kwargs(tokenizer: PreTrainedTokenizerBase, kwargs: Mapping[str, Any]) -> None:
     """ValueError naming a keyword the chat template never reads (it would be ignored)."""
+    if all(value is None for value in kwargs.values()):
+        return
     used = template_variables(tokenizer)
     if used is None:
         return

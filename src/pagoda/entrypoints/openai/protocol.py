@@ -336,9 +336,17 @@ class ChatMessage(_Strict):
     # The assistant's reasoning, under either name (vLLM's newer one is "reasoning").
     reasoning_content: str | None = None
     reasoning: str | None = None
+    # Fields of OpenAI's reply message that clients send back with it: accepted when empty.
+    refusal: str | None = None
+    audio: Any = None
+    function_call: Any = None
+    annotations: list[Any] | None = None
 
     @model_validator(mode="after")
     def _fields_fit_role(self) -> ChatMessage:
+        for name in ("refusal", "audio", "function_call", "annotations"):
+            if getattr(self, name):
+                raise ValueError(f"{name} in a message is not supported")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages have tool_calls")
         if self.role == "tool" and self.tool_call_id is None:
