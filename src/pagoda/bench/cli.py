@@ -21,9 +21,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=lambda _args: _print_help(bench))
     add_serve_parser(bench_subparsers)
     add_sweep_parser(bench_subparsers)
-    from pagoda.bench import offline
+    from pagoda.bench import lang, offline
 
     offline.register(bench_subparsers)
+    lang.register(bench_subparsers)
 
 
 def _print_help(parser: argparse.ArgumentParser) -> int:
