@@ -21,9 +21,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=lambda _args: _print_help(bench))
     add_serve_parser(bench_subparsers)
     add_sweep_parser(bench_subparsers)
-    from pagoda.bench import offline, perplexity
+    from pagoda.bench import lang, offline, perplexity
 
     offline.register(bench_subparsers)
+    lang.register(bench_subparsers)
     perplexity.register(bench_subparsers)
 
 

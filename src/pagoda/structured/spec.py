@@ -34,12 +34,36 @@ def parse_json_schema(schema: dict[str, Any] | str) -> dict[str, Any]:
     return schema
 
 
+def parse_structural_tag(tag: dict[str, Any] | str) -> dict[str, Any]:
+    """The structural tag as a dict ``{"type": "structural_tag", "format": {...}}``; its formats are
+    checked when it is compiled."""
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from None
+    if not isinstance(tag, dict):
+        raise ValueError(f"structured_outputs.structural_tag must be a JSON object, got {type(tag).__name__}")
+    if tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), dict):
+        raise ValueError(
+            'structured_outputs.structural_tag must be {"type": "structural_tag", "format": {...}}'
+        )
+    return tag
+
+
 def spec_key(spec: StructuredOutputs) -> SpecKey:
     """Cache key: equal for specs that compile to the same grammar (e.g. dict schemas up to key order)."""
     kind = spec.kind
     if spec.json is not None:
         canonical = json.dumps(
             parse_json_schema(spec.json), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        )
+    elif spec.structural_tag is not None:
+        canonical = json.dumps(
+            parse_structural_tag(spec.structural_tag),
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=False,
         )
     elif spec.choice is not None:
         canonical = json.dumps(list(spec.choice), ensure_ascii=False)
