@@ -182,14 +182,22 @@ def run(args: argparse.Namespace) -> int:
             results.append(_run_llama_cpp(model, prompts, output_len, torch.get_num_threads()))
         elif not args.no_baseline:
             results.append(_run_transformers(model, args.dtype, prompts, output_len))
-    roofline = _roofline(model, args.dtype, results) if args.workload == "single" else None
+    roofline = _roofline(model, args.dtype, results, args.quantization) if args.workload == "single" else None
     _report(args, results, {"kernel_variant": cpu_kernels.status().variant, "roofline": roofline})
     return 0
 
 
-def weight_bytes_per_token(model: str, dtype: str) -> int:
+def weight_bytes_per_token(model: str, dtype: str, quantization: str | None = None) -> int:
     """Bytes of weights one decode step reads: every linear layer and the LM head (the embedding
-    only gives one row), from the checkpoint's config."""
+    only gives one row), from the checkpoint's config; for a GGUF file, its tensors' bytes as
+    stored (the format's roofline); quantized at load, the type's bits per weight."""
+    if model.lower().endswith(".gguf"):
+        from pagoda.quant.gguf_file import GGUFFile
+
+        f = GGUFFile(model)
+        names = [n for n in f.tensor_names() if len(f.tensor_shape(n)) == 2]
+        tied = "output.weight" not in names
+        return sum(f.tensor_nbytes(n) for n in names if tied or n != "token_embd.weight")
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model)
@@ -198,15 +206,19 @@ def weight_bytes_per_token(model: str, dtype: str) -> int:
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * c.intermediate_size
     params = c.num_hidden_layers * per_layer + c.vocab_size * hidden
+    if quantization is not None:
+        from pagoda.quant.formats import LOAD_TIME_TYPES, bits_per_weight
+
+        return int(params * bits_per_weight(LOAD_TIME_TYPES[quantization]) / 8)
     return params * {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
 
 
-def _roofline(model: str, dtype: str, results: list[RunResult]) -> dict:
+def _roofline(model: str, dtype: str, results: list[RunResult], quantization: str | None = None) -> dict:
     """Single-stream decode against the memory-read roofline: weight bytes per token over the
     read bandwidth measured now, in the same run."""
     from pagoda.kernels.bandwidth import measure_read_bandwidth
 
-    per_token = weight_bytes_per_token(model, dtype)
+    per_token = weight_bytes_per_token(model, dtype, quantization)
     bandwidth = measure_read_bandwidth()
     limit = bandwidth.best_gb_s * 1e9 / per_token
     lines = [

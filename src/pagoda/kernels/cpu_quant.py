@@ -1,7 +1,9 @@
-"""Integer GEMM for Q8_0 and Q4_0 weights on few rows (decode), in the CPU kernel variants.
+"""Integer GEMM for Q8_0, Q4_0, Q5_0 and Q6_K weights on few rows (decode), in the CPU kernel
+variants.
 
-`pack(qtype, rows, K)` repacks GGUF rows once (values and fp16 scales in two arrays, the same
-bytes); `linear(x, packed)` quantizes x to 8 bits per block of 32 (as llama.cpp does) and sums
+`pack(qtype, rows, K)` repacks Q8_0 / Q4_0 GGUF rows once (values and fp16 scales in two arrays,
+the same bytes; Q5_0 and Q6_K are read as the file's blocks); `linear(x, packed)` quantizes x to
+8 bits per block of 32 (as llama.cpp does) and sums
 exact integer block dot products (`csrc/quant_gemm.cpp`: vpdpbusd with AVX512-VNNI / AVX-VNNI,
 vpmaddubsw otherwise). The result differs from the float product of the dequantized weight by
 the rounding of x to 8 bits (at most half a step of each block's scale per value).
@@ -19,34 +21,45 @@ import torch
 from pagoda.kernels.build import available, ops
 
 # GGML type ids the kernels take.
-Q8_0, Q4_0 = 8, 2
-SUPPORTED = (Q8_0, Q4_0)
+Q8_0, Q4_0, Q5_0, Q6_K = 8, 2, 6, 14
+SUPPORTED = (Q8_0, Q4_0, Q5_0, Q6_K)
+REPACKED = (Q8_0, Q4_0)  # the others are read as GGUF stores them
 BLOCK = 32
 
 
 @dataclass(frozen=True)
 class PackedQuant:
     qtype: int
-    values: torch.Tensor  # [N, K] int8 values (Q8_0) or [N, K / 2] nibbles (Q4_0)
-    scales: torch.Tensor  # [N, K / 32] fp16 bits (int16)
+    values: torch.Tensor  # [N, K] int8 values (Q8_0), [N, K / 2] nibbles (Q4_0), or the raw rows
+    scales: torch.Tensor  # [N, K / 32] fp16 bits (int16); empty for raw rows
     rows: int
     cols: int
+
+    @property
+    def raw(self) -> bool:
+        """The rows as GGUF stores them (the caller keeps them for dequantizing)."""
+        return self.qtype not in REPACKED
 
     @property
     def nbytes(self) -> int:
         return self.values.numel() + 2 * self.scales.numel()
 
 
-def supports(qtype: int) -> bool:
-    return int(qtype) in SUPPORTED and available()
+def supports(qtype: int, cols: int) -> bool:
+    """Whether a kernel multiplies `qtype` rows of `cols` values here."""
+    block = 256 if int(qtype) == Q6_K else BLOCK
+    return int(qtype) in SUPPORTED and cols % block == 0 and available()
 
 
 def pack(qtype: int, raw: torch.Tensor, cols: int) -> PackedQuant:
-    """GGUF rows `raw: uint8 [N, row_bytes]` of `qtype` (Q8_0 or Q4_0) → the kernel's layout."""
-    if int(qtype) not in SUPPORTED:
-        raise ValueError(f"no integer kernel for GGML type {int(qtype)}")
-    values, scales = ops().quant_pack(raw.contiguous(), int(qtype), cols)
-    return PackedQuant(int(qtype), values, scales, raw.shape[0], cols)
+    """GGUF rows `raw: uint8 [N, row_bytes]` of `qtype` → the kernel's layout."""
+    qtype = int(qtype)
+    if qtype not in SUPPORTED:
+        raise ValueError(f"no integer kernel for GGML type {qtype}")
+    if qtype not in REPACKED:
+        return PackedQuant(qtype, raw.contiguous(), torch.empty(0, dtype=torch.int16), raw.shape[0], cols)
+    values, scales = ops().quant_pack(raw.contiguous(), qtype, cols)
+    return PackedQuant(qtype, values, scales, raw.shape[0], cols)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,12 +86,16 @@ def _dequantize(qtype: int, values: torch.Tensor, scales: torch.Tensor, cols: in
 
 
 def dequantize(packed: PackedQuant) -> torch.Tensor:
-    """float32 `[N, K]`: the same values as the GGML blocks decode to."""
+    """float32 `[N, K]` of a repacked (Q8_0 / Q4_0) weight: the values its blocks decode to."""
+    if packed.raw:
+        raise ValueError("raw rows are dequantized by their GGML type, not here")
     return _dequantize(packed.qtype, packed.values, packed.scales, packed.cols)
 
 
 def dequantize_rows(packed: PackedQuant, rows: torch.Tensor) -> torch.Tensor:
-    """float32 rows `rows` (1-D) of the weight (an embedding lookup from a tied head)."""
+    """float32 rows `rows` (1-D) of a repacked weight (an embedding lookup from a tied head)."""
+    if packed.raw:
+        raise ValueError("raw rows are dequantized by their GGML type, not here")
     return _dequantize(packed.qtype, packed.values[rows], packed.scales[rows], packed.cols)
 
 

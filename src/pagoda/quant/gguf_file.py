@@ -129,6 +129,9 @@ class GGUFFile:
     def tensor_type(self, name: str) -> GGMLType:
         return check_supported(self._info(name).tensor_type, f"GGUF tensor {name!r}")
 
+    def tensor_nbytes(self, name: str) -> int:
+        return int(self._info(name).n_bytes)
+
     @property
     def tensor_bytes(self) -> int:
         """Bytes of all tensor data in the file."""

@@ -4,8 +4,8 @@ The weight is a list of row segments, one `GGMLTensor` each: a fused projection 
 in different types (Q4_K_M stores some `attn_v` as Q6_K next to a Q4_K `attn_q`) keeps one
 segment per run of equal types.
 
-Q8_0 and Q4_0 segments are repacked once for the integer kernels (`pagoda.kernels.cpu_quant`)
-where they run: up to `INTEGER_MAX_ROWS` rows (decode) multiply with 8-bit activations and
+Q8_0, Q4_0, Q5_0 and Q6_K segments go to the integer kernels (`pagoda.kernels.cpu_quant`; Q8_0
+and Q4_0 repacked once, the others read as stored) where they run: up to `INTEGER_MAX_ROWS` rows (decode) multiply with 8-bit activations and
 integer dot products, bound by memory bandwidth; more rows (prefill) are bound by arithmetic and
 take the dequantized float32 weight and `F.linear`. Every other type, and every type where the
 kernels do not run, takes the reference: dequantize to float32 and `F.linear`.
@@ -60,11 +60,13 @@ class QuantLinear:
         # The kernels' layout replaces a segment's raw rows (the same bytes, no second copy).
         self.packed: list[cpu_quant.PackedQuant | None] = []
         for index, seg in enumerate(self.segments):
-            if cpu_quant.supports(seg.qtype) and seg.shape[1] % cpu_quant.BLOCK == 0:
-                self.packed.append(cpu_quant.pack(seg.qtype, seg.data, seg.shape[1]))
-                self.segments[index] = GGMLTensor(seg.qtype, seg.data[:0], (0, seg.shape[1]))
-            else:
+            if not cpu_quant.supports(seg.qtype, seg.shape[1]):
                 self.packed.append(None)
+                continue
+            packed = cpu_quant.pack(seg.qtype, seg.data, seg.shape[1])
+            self.packed.append(packed)
+            if not packed.raw:
+                self.segments[index] = GGMLTensor(seg.qtype, seg.data[:0], (0, seg.shape[1]))
         self.segment_rows = [
             p.rows if p is not None else seg.shape[0]
             for seg, p in zip(self.segments, self.packed, strict=True)
@@ -102,7 +104,7 @@ class QuantLinear:
         quantized = None
         outs = []
         for seg, packed in zip(self.segments, self.packed, strict=True):
-            if packed is None:
+            if packed is None or (packed.raw and not integer):
                 outs.append(flat.float() @ seg.dequantize().t())
             elif integer:
                 if quantized is None:  # x rounded to 8 bits once for every segment
@@ -121,7 +123,7 @@ class QuantLinear:
         """The whole weight as float32 `[rows, in_features]` (reference and tests)."""
         return torch.cat(
             [
-                cpu_quant.dequantize(p) if p is not None else seg.dequantize()
+                cpu_quant.dequantize(p) if p is not None and not p.raw else seg.dequantize()
                 for seg, p in zip(self.segments, self.packed, strict=True)
             ]
         )
@@ -136,7 +138,7 @@ class QuantLinear:
             hit = (flat >= start) & (flat < start + rows)
             if hit.any():
                 local = flat[hit] - start
-                if packed is not None:
+                if packed is not None and not packed.raw:
                     out[hit] = cpu_quant.dequantize_rows(packed, local)
                 else:
                     out[hit] = seg.take_rows(local).dequantize()

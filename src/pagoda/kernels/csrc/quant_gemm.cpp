@@ -39,7 +39,10 @@ namespace {
 constexpr int kBlock = 32;
 constexpr int kQ8_0 = 8;  // GGML type ids
 constexpr int kQ4_0 = 2;
+constexpr int kQ5_0 = 6;
+constexpr int kQ6_K = 14;
 constexpr int kMaxRows = 8;  // activation rows sharing one pass over the weight
+constexpr int64_t kRowsPerGroup = 32;  // weight rows kept in cache while all activation tiles pass
 
 __attribute__((always_inline)) inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -58,6 +61,15 @@ PAGODA_INLINE __m256i load_nibbles(const uint8_t* p) {  // 16 bytes -> 32 values
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
+// The 32 bits of a Q5_0 block's qh as 32 bytes of 0 or 16 (byte j: bit j).
+PAGODA_INLINE __m256i high_bits_16(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
 
 struct Args {
@@ -85,6 +97,8 @@ struct Dot {
 #include "quant_gemm_rows.h"
 void q8(const Args& a, int64_t b, int64_t e) { rows_range<kQ8_0>(a, b, e); }
 void q4(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_0>(a, b, e); }
+void q5(const Args& a, int64_t b, int64_t e) { rows_range<kQ5_0>(a, b, e); }
+void q6k(const Args& a, int64_t b, int64_t e) { rows_range<kQ6_K>(a, b, e); }
 }  // namespace madd
 
 #pragma GCC push_options
@@ -101,6 +115,8 @@ struct Dot {
 #include "quant_gemm_rows.h"
 void q8(const Args& a, int64_t b, int64_t e) { rows_range<kQ8_0>(a, b, e); }
 void q4(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_0>(a, b, e); }
+void q5(const Args& a, int64_t b, int64_t e) { rows_range<kQ5_0>(a, b, e); }
+void q6k(const Args& a, int64_t b, int64_t e) { rows_range<kQ6_K>(a, b, e); }
 }  // namespace avxvnni
 #pragma GCC pop_options
 
@@ -119,6 +135,8 @@ struct Dot {
 #include "quant_gemm_rows.h"
 void q8(const Args& a, int64_t b, int64_t e) { rows_range<kQ8_0>(a, b, e); }
 void q4(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_0>(a, b, e); }
+void q5(const Args& a, int64_t b, int64_t e) { rows_range<kQ5_0>(a, b, e); }
+void q6k(const Args& a, int64_t b, int64_t e) { rows_range<kQ6_K>(a, b, e); }
 }  // namespace vnni512
 #pragma GCC pop_options
 #endif
@@ -136,19 +154,22 @@ DotKind dot_kind() {
   return kind;
 }
 
+#define PAGODA_PICK(ns) \
+  (qtype == kQ8_0 ? ns::q8 : qtype == kQ4_0 ? ns::q4 : qtype == kQ5_0 ? ns::q5 : ns::q6k)
+
 RowsFn rows_fn(int qtype) {
-  const bool q8 = qtype == kQ8_0;
   switch (dot_kind()) {
 #if defined(PAGODA_AVX512)
     case DotKind::avx512vnni:
-      return q8 ? vnni512::q8 : vnni512::q4;
+      return PAGODA_PICK(vnni512);
 #endif
     case DotKind::avxvnni:
-      return q8 ? avxvnni::q8 : avxvnni::q4;
+      return PAGODA_PICK(avxvnni);
     default:
-      return q8 ? madd::q8 : madd::q4;
+      return PAGODA_PICK(madd);
   }
 }
+#undef PAGODA_PICK
 
 // ---- ops --------------------------------------------------------------------------------------
 template <class T>
@@ -222,14 +243,17 @@ std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t qty
 at::Tensor quant_linear(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, const at::Tensor& wq,
                         const at::Tensor& wd, int64_t qtype) {
   TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous(), "quant_linear: xq");
-  TORCH_CHECK(qtype == kQ8_0 || qtype == kQ4_0, "quant_linear: only Q8_0 and Q4_0");
-  const int64_t M = xq.size(0), K = xq.size(1), N = wd.size(0), nb = K / kBlock;
-  const int64_t row_bytes = qtype == kQ8_0 ? K : K / 2;
-  TORCH_CHECK(wd.size(1) == nb && wq.size(0) == N && wq.size(1) == row_bytes && xd.size(0) == M && xs.size(0) == M,
-              "quant_linear: shapes do not match");
+  TORCH_CHECK(qtype == kQ8_0 || qtype == kQ4_0 || qtype == kQ5_0 || qtype == kQ6_K,
+              "quant_linear: only Q8_0, Q4_0, Q5_0 and Q6_K");
+  const int64_t M = xq.size(0), K = xq.size(1), N = wq.size(0), nb = K / kBlock;
+  // Q8_0 / Q4_0 come repacked (values, scales); Q5_0 / Q6_K as the file's raw blocks.
+  const int64_t row_bytes = qtype == kQ8_0 ? K : qtype == kQ4_0 ? K / 2 : qtype == kQ5_0 ? nb * 22 : K / 256 * 210;
+  TORCH_CHECK(qtype != kQ6_K || K % 256 == 0, "quant_linear: Q6_K rows need a multiple of 256 values");
+  TORCH_CHECK(wq.size(1) == row_bytes && xd.size(0) == M && xs.size(0) == M, "quant_linear: shapes do not match");
+  TORCH_CHECK(qtype == kQ5_0 || qtype == kQ6_K || (wd.size(0) == N && wd.size(1) == nb), "quant_linear: scales");
   auto y = at::empty({M, N}, xd.options().dtype(at::kFloat));
   const Args a{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>(), wq.data_ptr<uint8_t>(),
-               reinterpret_cast<const uint16_t*>(wd.data_ptr<int16_t>()), y.data_ptr<float>(), M, K, N, nb,
+               wd.numel() ? reinterpret_cast<const uint16_t*>(wd.data_ptr<int16_t>()) : nullptr, y.data_ptr<float>(), M, K, N, nb,
                row_bytes};
   const RowsFn fn = rows_fn(static_cast<int>(qtype));
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) { fn(a, begin, end); });
