@@ -13,7 +13,7 @@ from pagoda.quant.linear import INTEGER_MAX_ROWS, QuantLinear
 from pagoda.quant.tensor import GGMLTensor
 
 VARIANTS = build.supported_variants()
-KERNEL_TYPES = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q6_K]
+KERNEL_TYPES = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K]
 EPS32 = 2.0**-24  # float32 unit roundoff
 
 
@@ -28,7 +28,7 @@ def _bound(w: torch.Tensor, x: torch.Tensor, terms: int) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows, n, k", [(1, 1, 32), (3, 17, 96), (8, 300, 224), (9, 33, 64), (16, 129, 896)])
 def test_integer_kernel_against_float64(variant, qtype, rows, n, k):
-    if qtype == GGMLType.Q6_K:
+    if qtype in (GGMLType.Q4_K, GGMLType.Q6_K):
         k = 256 * (1 + k // 300)  # super-blocks of 256
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=gen) * torch.logspace(-2, 2, n).unsqueeze(1)

@@ -1,8 +1,8 @@
-"""Integer GEMM for Q8_0, Q4_0, Q5_0 and Q6_K weights on few rows (decode), in the CPU kernel
+"""Integer GEMM for Q8_0, Q4_0, Q5_0, Q4_K and Q6_K weights on few rows (decode), in the CPU kernel
 variants.
 
 `pack(qtype, rows, K)` repacks Q8_0 / Q4_0 GGUF rows once (values and fp16 scales in two arrays,
-the same bytes; Q5_0 and Q6_K are read as the file's blocks); `linear(x, packed)` quantizes x to
+the same bytes; Q5_0, Q4_K and Q6_K are read as the file's blocks); `linear(x, packed)` quantizes x to
 8 bits per block of 32 (as llama.cpp does) and sums
 exact integer block dot products (`csrc/quant_gemm.cpp`: vpdpbusd with AVX512-VNNI / AVX-VNNI,
 vpmaddubsw otherwise). The result differs from the float product of the dequantized weight by
@@ -21,8 +21,8 @@ import torch
 from pagoda.kernels.build import available, ops
 
 # GGML type ids the kernels take.
-Q8_0, Q4_0, Q5_0, Q6_K = 8, 2, 6, 14
-SUPPORTED = (Q8_0, Q4_0, Q5_0, Q6_K)
+Q8_0, Q4_0, Q5_0, Q4_K, Q6_K = 8, 2, 6, 12, 14
+SUPPORTED = (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K)
 REPACKED = (Q8_0, Q4_0)  # the others are read as GGUF stores them
 BLOCK = 32
 
@@ -47,7 +47,7 @@ class PackedQuant:
 
 def supports(qtype: int, cols: int) -> bool:
     """Whether a kernel multiplies `qtype` rows of `cols` values here."""
-    block = 256 if int(qtype) == Q6_K else BLOCK
+    block = 256 if int(qtype) in (Q4_K, Q6_K) else BLOCK
     return int(qtype) in SUPPORTED and cols % block == 0 and available()
 
 

@@ -4,8 +4,8 @@ The weight is a list of row segments, one `GGMLTensor` each: a fused projection 
 in different types (Q4_K_M stores some `attn_v` as Q6_K next to a Q4_K `attn_q`) keeps one
 segment per run of equal types.
 
-Q8_0, Q4_0, Q5_0 and Q6_K segments go to the integer kernels (`pagoda.kernels.cpu_quant`; Q8_0
-and Q4_0 repacked once, the others read as stored) where they run: up to `INTEGER_MAX_ROWS` rows (decode) multiply with 8-bit activations and
+Q8_0, Q4_0, Q5_0, Q4_K and Q6_K segments go to the integer kernels (`pagoda.kernels.cpu_quant`;
+Q8_0 and Q4_0 repacked once, the others read as stored) where they run: up to `INTEGER_MAX_ROWS` rows (decode) multiply with 8-bit activations and
 integer dot products, bound by memory bandwidth; more rows (prefill) are bound by arithmetic and
 take the dequantized float32 weight and `F.linear`. Every other type, and every type where the
 kernels do not run, takes the reference: dequantize to float32 and `F.linear`.

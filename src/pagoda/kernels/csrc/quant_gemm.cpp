@@ -41,6 +41,7 @@ constexpr int kQ8_0 = 8;  // GGML type ids
 constexpr int kQ4_0 = 2;
 constexpr int kQ5_0 = 6;
 constexpr int kQ6_K = 14;
+constexpr int kQ4_K = 12;
 constexpr int kMaxRows = 8;  // activation rows sharing one pass over the weight
 constexpr int64_t kRowsPerGroup = 32;  // weight rows kept in cache while all activation tiles pass
 
@@ -99,6 +100,7 @@ void q8(const Args& a, int64_t b, int64_t e) { rows_range<kQ8_0>(a, b, e); }
 void q4(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_0>(a, b, e); }
 void q5(const Args& a, int64_t b, int64_t e) { rows_range<kQ5_0>(a, b, e); }
 void q6k(const Args& a, int64_t b, int64_t e) { rows_range<kQ6_K>(a, b, e); }
+void q4k(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_K>(a, b, e); }
 }  // namespace madd
 
 #pragma GCC push_options
@@ -117,6 +119,7 @@ void q8(const Args& a, int64_t b, int64_t e) { rows_range<kQ8_0>(a, b, e); }
 void q4(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_0>(a, b, e); }
 void q5(const Args& a, int64_t b, int64_t e) { rows_range<kQ5_0>(a, b, e); }
 void q6k(const Args& a, int64_t b, int64_t e) { rows_range<kQ6_K>(a, b, e); }
+void q4k(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_K>(a, b, e); }
 }  // namespace avxvnni
 #pragma GCC pop_options
 
@@ -137,6 +140,7 @@ void q8(const Args& a, int64_t b, int64_t e) { rows_range<kQ8_0>(a, b, e); }
 void q4(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_0>(a, b, e); }
 void q5(const Args& a, int64_t b, int64_t e) { rows_range<kQ5_0>(a, b, e); }
 void q6k(const Args& a, int64_t b, int64_t e) { rows_range<kQ6_K>(a, b, e); }
+void q4k(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_K>(a, b, e); }
 }  // namespace vnni512
 #pragma GCC pop_options
 #endif
@@ -155,7 +159,11 @@ DotKind dot_kind() {
 }
 
 #define PAGODA_PICK(ns) \
-  (qtype == kQ8_0 ? ns::q8 : qtype == kQ4_0 ? ns::q4 : qtype == kQ5_0 ? ns::q5 : ns::q6k)
+  (qtype == kQ8_0   ? ns::q8  \
+   : qtype == kQ4_0 ? ns::q4  \
+   : qtype == kQ5_0 ? ns::q5  \
+   : qtype == kQ4_K ? ns::q4k \
+                    : ns::q6k)
 
 RowsFn rows_fn(int qtype) {
   switch (dot_kind()) {
@@ -243,14 +251,19 @@ std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t qty
 at::Tensor quant_linear(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, const at::Tensor& wq,
                         const at::Tensor& wd, int64_t qtype) {
   TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous(), "quant_linear: xq");
-  TORCH_CHECK(qtype == kQ8_0 || qtype == kQ4_0 || qtype == kQ5_0 || qtype == kQ6_K,
-              "quant_linear: only Q8_0, Q4_0, Q5_0 and Q6_K");
+  TORCH_CHECK(qtype == kQ8_0 || qtype == kQ4_0 || qtype == kQ5_0 || qtype == kQ6_K || qtype == kQ4_K,
+              "quant_linear: only Q8_0, Q4_0, Q5_0, Q4_K and Q6_K");
   const int64_t M = xq.size(0), K = xq.size(1), N = wq.size(0), nb = K / kBlock;
   // Q8_0 / Q4_0 come repacked (values, scales); Q5_0 / Q6_K as the file's raw blocks.
-  const int64_t row_bytes = qtype == kQ8_0 ? K : qtype == kQ4_0 ? K / 2 : qtype == kQ5_0 ? nb * 22 : K / 256 * 210;
-  TORCH_CHECK(qtype != kQ6_K || K % 256 == 0, "quant_linear: Q6_K rows need a multiple of 256 values");
+  const int64_t row_bytes = qtype == kQ8_0   ? K
+                            : qtype == kQ4_0 ? K / 2
+                            : qtype == kQ5_0 ? nb * 22
+                            : qtype == kQ4_K ? K / 256 * 144
+                                             : K / 256 * 210;
+  TORCH_CHECK((qtype != kQ6_K && qtype != kQ4_K) || K % 256 == 0, "quant_linear: K-quant rows need a multiple of 256");
   TORCH_CHECK(wq.size(1) == row_bytes && xd.size(0) == M && xs.size(0) == M, "quant_linear: shapes do not match");
-  TORCH_CHECK(qtype == kQ5_0 || qtype == kQ6_K || (wd.size(0) == N && wd.size(1) == nb), "quant_linear: scales");
+  TORCH_CHECK(qtype == kQ5_0 || qtype == kQ6_K || qtype == kQ4_K || (wd.size(0) == N && wd.size(1) == nb),
+              "quant_linear: scales");
   auto y = at::empty({M, N}, xd.options().dtype(at::kFloat));
   const Args a{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>(), wq.data_ptr<uint8_t>(),
                wd.numel() ? reinterpret_cast<const uint16_t*>(wd.data_ptr<int16_t>()) : nullptr, y.data_ptr<float>(), M, K, N, nb,

@@ -98,12 +98,60 @@ PAGODA_INLINE void row_dot_q6_k(const Args& a, int64_t n, int64_t m0) {
   for (int r = 0; r < Rows; ++r) a.y[(m0 + r) * a.N + n] = hsum(acc[r]);
 }
 
+// Q4_K from its raw 144-byte super-blocks (d, dmin, 12 bytes of 6-bit scales and mins, qs[128]):
+// per sub-block j of 32 (one activation block) d * sc_j * (q . x) - dmin * m_j * sum(x).
+template <int Rows>
+PAGODA_INLINE void row_dot_q4_k(const Args& a, int64_t n, int64_t m0) {
+  const uint8_t* row = a.wq + n * a.row_bytes;
+  __m256 acc[Rows];
+  float mins[Rows];
+  for (int r = 0; r < Rows; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    mins[r] = 0.0f;
+  }
+  const int64_t supers = a.K / 256;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* block = row + sb * 144;
+    uint16_t dbits, mbits;
+    std::memcpy(&dbits, block, 2);
+    std::memcpy(&mbits, block + 2, 2);
+    const float d = half_to_float(dbits), dmin = half_to_float(mbits);
+    const uint8_t* q = block + 4;
+    float sc[8], mn[8];
+    for (int j = 0; j < 8; ++j) {
+      const int s6 = j < 4 ? (q[j] & 63) : ((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4));
+      const int m6 = j < 4 ? (q[j + 4] & 63) : ((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+      sc[j] = d * static_cast<float>(s6);
+      mn[j] = dmin * static_cast<float>(m6);
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c));
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * c + h;
+        const __m256i w = h == 0 ? _mm256_and_si256(bytes, low4) : _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+        const int64_t b = sb * 8 + j;
+        for (int r = 0; r < Rows; ++r) {
+          const int64_t row_m = m0 + r;
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + row_m * a.K + b * kBlock));
+          const float dx = a.xd[row_m * a.nb + b];
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Dot::u8(w, x)), _mm256_set1_ps(sc[j] * dx), acc[r]);
+          mins[r] += mn[j] * dx * static_cast<float>(a.xs[row_m * a.nb + b]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r) a.y[(m0 + r) * a.N + n] = hsum(acc[r]) - mins[r];
+}
+
 template <int QType, int Rows>
 PAGODA_INLINE void any_row_dot(const Args& a, int64_t n, int64_t m0) {
   if constexpr (QType == kQ5_0) {
     row_dot_q5_0<Rows>(a, n, m0);
   } else if constexpr (QType == kQ6_K) {
     row_dot_q6_k<Rows>(a, n, m0);
+  } else if constexpr (QType == kQ4_K) {
+    row_dot_q4_k<Rows>(a, n, m0);
   } else {
     row_dot<QType, Rows>(a, n, m0);
   }
