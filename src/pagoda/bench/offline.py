@@ -349,18 +349,19 @@ def _run_llama_cpp(model: str, prompts: list[list[int]], output_len: int, thread
         verbose=False,
     )
 
+    import numpy as np
+
     def generate(prompt: list[int], n: int) -> tuple[int, float]:
+        """Greedy: the prompt in one eval (its end is the first token), then one eval per token."""
         llm.reset()
         start = time.perf_counter()
-        first = None
-        count = 0
-        for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            if first is None:
-                first = time.perf_counter() - start
-            count += 1
-            if count >= n:
-                break
-        return count, first or 0.0
+        llm.eval(prompt)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        first = time.perf_counter() - start
+        for _ in range(n - 1):
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        return n, first
 
     generate(prompts[0][:8], 2)  # warm-up
     start = time.perf_counter()
