@@ -339,6 +339,8 @@ def _run_llama_cpp(model: str, prompts: list[list[int]], output_len: int, thread
         raise SystemExit(
             "pagoda bench offline: --baseline llama.cpp needs llama-cpp-python (pip install 'pagoda[llama-cpp]')"
         ) from None
+    import numpy as np
+
     width = max(map(len, prompts)) + output_len
     llm = llama_cpp.Llama(
         model_path=model,
@@ -348,8 +350,6 @@ def _run_llama_cpp(model: str, prompts: list[list[int]], output_len: int, thread
         n_threads_batch=threads,
         verbose=False,
     )
-
-    import numpy as np
 
     def generate(prompt: list[int], n: int) -> tuple[int, float]:
         """Greedy: the prompt in one eval (its end is the first token), then one eval per token."""
@@ -367,14 +367,13 @@ def _run_llama_cpp(model: str, prompts: list[list[int]], output_len: int, thread
     start = time.perf_counter()
     out_tokens, ttfts = 0, []
     for prompt in prompts:
+        begun = time.perf_counter() - start  # requests queue behind each other: TTFT counts the wait
         count, ttft = generate(prompt, output_len)
         out_tokens += count
-        ttfts.append(time.perf_counter() - start - 0.0 if not ttfts else ttft)
+        ttfts.append(begun + ttft)
     elapsed = time.perf_counter() - start
     llm.close()
-    return RunResult(
-        "llama.cpp", elapsed, out_tokens, sum(map(len, prompts)), ttfts if len(prompts) == 1 else []
-    )
+    return RunResult("llama.cpp", elapsed, out_tokens, sum(map(len, prompts)), ttfts)
 
 
 def _run_transformers(model: str, dtype: str, prompts: list[list[int]], output_len: int) -> RunResult:
