@@ -72,7 +72,7 @@ def test_engine_flag_defaults_match_engine_args(tiny_llama_dir: str) -> None:
     args = build_parser().parse_args(["serve", tiny_llama_dir])
     built = serve_cli._engine_args(args, tiny_llama_dir)
     assert built == EngineArgs(model=tiny_llama_dir)
-    fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+    fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model", "limits"}
     assert set(serve_cli._ENGINE_FIELDS) == fields
 
 

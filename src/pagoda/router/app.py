@@ -96,20 +96,33 @@ def create_app(config: RouterConfig) -> FastAPI:
                     await task
                 state.proxy.client = None
 
-    app = FastAPI(title="pagoda router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="pagoda router",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        max_body_size=config.max_body_size,
+    )
     app.state.router = state
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         headers = {**(exc.headers or {}), "x-request-id": request_id_of(request)}
-        return error_response(exc.status_code, str(exc.detail), code, headers=headers)
+        message = str(exc.detail)
+        if exc.status_code == 413:
+            message = f"the request body is larger than {config.max_body_size} bytes (--max-body-size)"
+        return error_response(exc.status_code, message, code, headers=headers)
 
     def unauthorized(request: Request, request_id: str) -> JSONResponse | None:
         if config.api_key is None:
             return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), config.api_key):
+        # Bytes, compared in constant time (compare_digest refuses non-ASCII str: a 500 otherwise).
+        if scheme.lower() == "bearer" and secrets.compare_digest(
+            token.strip().encode("utf-8", "surrogateescape"), config.api_key.encode()
+        ):
             return None
         return error_response(
             401,

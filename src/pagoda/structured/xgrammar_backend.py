@@ -174,9 +174,18 @@ class XGrammarBackend:
             kind = "grammar (read as Lark: it has no '::=' rules)"
         try:
             compiled = self._compiler.compile_grammar(self._valid_utf8_grammar(spec, schema))
+        except RecursionError:  # RequestLimits bounds nesting; this is the last line of defence
+            raise ValueError(f"invalid structured_outputs.{kind}: it is nested too deeply") from None
         except (RuntimeError, TypeError, ValueError) as e:
             raise ValueError(f"invalid structured_outputs.{kind}: {_clean_error(e)}") from None
-        return XGrammarCompiled(compiled, self._stop_token_ids)
+        result = XGrammarCompiled(compiled, self._stop_token_ids)
+        # A grammar with no way to start (e.g. `root ::= a  a ::= root`) would leave the sampler no
+        # token at all; refuse it here instead.
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        result.new_matcher().fill_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise ValueError(f"invalid structured_outputs.{kind}: it matches no output at all")
+        return result
 
     def _valid_utf8_grammar(self, spec: StructuredOutputs, schema: dict | None) -> xgr.Grammar:
         """The spec's grammar, matching only valid UTF-8 (see ``valid_utf8``)."""

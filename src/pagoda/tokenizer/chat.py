@@ -26,6 +26,12 @@ def chat_template_text(tokenizer: PreTrainedTokenizerBase) -> str:
     return template
 
 
+def chat_roles(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """The message roles the chat template takes: ``tool`` when the template mentions tools.
+    ValueError if the tokenizer has no template."""
+    return (*_BASE_ROLES, "tool") if "tool" in chat_template_text(tokenizer) else _BASE_ROLES
+
+
 def validate_messages(messages: object, allowed_roles: Sequence[str] = _BASE_ROLES) -> None:
     """Checks that ``messages`` is a non-empty list of {role, content} dicts with allowed roles."""
     if not isinstance(messages, list) or not messages:
@@ -61,9 +67,7 @@ def apply_chat_template(
     ``documents``, ``continue_final_message``, template variables such as ``enable_thinking``) go to
     ``tokenizer.apply_chat_template``.
     """
-    template = chat_template_text(tokenizer)
-    roles = (*_BASE_ROLES, "tool") if "tool" in template else _BASE_ROLES
-    validate_messages(messages, roles)
+    validate_messages(messages, chat_roles(tokenizer))
     reserved = [k for k in _RESERVED_KWARGS if k in kwargs]
     if reserved:
         raise ValueError(

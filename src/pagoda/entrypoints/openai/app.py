@@ -17,7 +17,9 @@ from pagoda.config import EngineArgs
 from pagoda.engine.async_engine import AsyncLLM
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.openai.errors import APIError, install_error_handlers
+from pagoda.entrypoints.openai.limits import DEFAULT_MAX_BODY_SIZE, StrictJSONRoute
 from pagoda.entrypoints.openai.metrics import ServerMetrics
+from pagoda.entrypoints.openai.openapi import install_openapi
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,7 +31,9 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion
 from pagoda.entrypoints.openai.serving_common import ServerState
 from pagoda.entrypoints.openai.serving_completions import create_completion
+from pagoda.limits import LimitError
 from pagoda.tokenizer import apply_chat_template
+from pagoda.tokenizer.chat import chat_roles
 
 logger = logging.getLogger("pagoda.server")
 
@@ -43,6 +47,7 @@ class ServerConfig:
     max_waiting_requests: int | None = None
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may run on after SIGINT/SIGTERM
     log_level: str = "info"
+    max_body_size: int = DEFAULT_MAX_BODY_SIZE  # bytes; a larger request body gets a 413
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -61,6 +66,12 @@ class ServerConfig:
             raise ValueError("served_model_name must not be empty")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"unknown log level {self.log_level!r}")
+        if (
+            isinstance(self.max_body_size, bool)
+            or not isinstance(self.max_body_size, int)
+            or self.max_body_size < 1
+        ):
+            raise ValueError(f"max_body_size must be an integer >= 1 (bytes), got {self.max_body_size!r}")
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get("PAGODA_API_KEY") or None
@@ -71,7 +82,15 @@ def build_state(engine: LLMEngine, config: ServerConfig) -> ServerState:
     name = config.served_model_name or engine.args.model
     metrics = ServerMetrics(name)
     async_engine = AsyncLLM(engine, max_waiting_requests=config.max_waiting_requests, on_step=metrics.on_step)
-    return ServerState(async_engine, metrics, [name], engine.args.model, config.resolved_api_key())
+    return ServerState(
+        async_engine,
+        metrics,
+        [name],
+        engine.args.model,
+        config.resolved_api_key(),
+        limits=engine.args.limits,
+        max_body_size=config.max_body_size,
+    )
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -82,9 +101,9 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.engine.shutdown()
 
-    app = FastAPI(title="pagoda", lifespan=lifespan)
+    app = FastAPI(title="pagoda", lifespan=lifespan, max_body_size=state.max_body_size)
     app.state.pagoda = state
-    install_error_handlers(app)
+    install_error_handlers(app, state.max_body_size)
 
     def check_auth(request: Request) -> None:
         if state.api_key is None:
@@ -104,7 +123,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError("the engine is not running", 503, code="engine_unavailable")
         return Response(status_code=200)
 
-    api = APIRouter(dependencies=[Depends(check_auth)])
+    api = APIRouter(dependencies=[Depends(check_auth)], route_class=StrictJSONRoute)
 
     @api.get("/v1/models")
     async def models() -> ModelList:
@@ -125,21 +144,32 @@ def create_app(state: ServerState) -> FastAPI:
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         state.resolve_model(body.model)
+        max_model_len = state.engine.max_model_len
         if body.messages is not None:
             messages = [m.to_dict() for m in body.messages]
             try:
+                state.limits.check_messages(messages, max_model_len)
                 ids = apply_chat_template(
                     state.engine.tokenizer, messages, add_generation_prompt=body.add_generation_prompt
                 )
             except ValueError as exc:
                 raise APIError(str(exc), param="messages") from None
         else:
+            try:
+                state.limits.check_prompt(body.prompt, max_model_len)
+            except LimitError as exc:
+                raise APIError(str(exc), param=exc.param) from None
             ids = state.engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
 
     @api.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.resolve_model(body.model)
+        if len(body.tokens) > state.engine.max_model_len:
+            message = (
+                f"tokens: {len(body.tokens)} is more than the context length ({state.engine.max_model_len})"
+            )
+            raise APIError(message, param="tokens")
         bad = next((t for t in body.tokens if not 0 <= t < state.engine.vocab_size), None)
         if bad is not None:
             raise APIError(f"token id {bad} is not in [0, {state.engine.vocab_size})", param="tokens")
@@ -157,6 +187,20 @@ def create_app(state: ServerState) -> FastAPI:
         return Response(data, media_type=content_type)
 
     app.include_router(api)
+    tokenizer = state.engine.tokenizer
+    try:
+        roles: tuple[str, ...] | None = chat_roles(tokenizer)
+    except ValueError:  # no chat template: chat requests are refused whatever their roles
+        roles = None
+    install_openapi(
+        app,
+        model_names=state.model_names,
+        limits=state.limits,
+        vocab_size=state.engine.vocab_size,
+        max_model_len=state.engine.max_model_len,
+        chat_roles=roles,
+        auth=state.api_key is not None,
+    )
     return app
 
 

@@ -17,6 +17,7 @@ _TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     503: "service_unavailable_error",
 }
 
@@ -39,8 +40,8 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
@@ -52,11 +53,13 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(f"unknown field {param!r}: this server does not support it", param=param)
     if err.get("type") == "json_invalid":
         return APIError(f"the request body is not valid JSON: {err.get('msg')}")
+    if param is None and err.get("type") == "missing":
+        return APIError("the request needs a JSON object body (Content-Type: application/json)")
     message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     return APIError(f"{param}: {message}" if param else message, param=param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, max_body_size: int | None = None) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
@@ -67,7 +70,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(str(exc.detail), exc.status_code).response()
+        if exc.status_code == 413 and max_body_size is not None:
+            message = f"the request body is larger than {max_body_size} bytes (--max-body-size)"
+            return APIError(message, 413, code="request_too_large").response()
+        error = APIError(str(exc.detail), exc.status_code, param=getattr(exc, "param", None))
+        return error.response(exc.headers)  # e.g. Allow on a 405
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

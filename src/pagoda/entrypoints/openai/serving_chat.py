@@ -9,6 +9,7 @@ from fastapi.responses import Response
 
 from pagoda.engine.async_engine import RequestStream
 from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.limits import check_body, constraint_field
 from pagoda.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -36,11 +37,13 @@ from pagoda.entrypoints.openai.serving_common import (
     top_entries,
     unless_disconnected,
 )
+from pagoda.limits import LimitError
 from pagoda.outputs import CompletionOutput
 
 
 def chat_prompt_ids(state: ServerState, messages: list[dict], **template_kwargs) -> list[int]:
     try:
+        state.limits.check_messages(messages, state.engine.max_model_len)  # before the template runs
         ids = state.engine.chat_prompt(messages, **template_kwargs)
     except ValueError as exc:
         raise APIError(str(exc), param="messages") from None
@@ -52,12 +55,14 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         body.check()
         model = state.resolve_model(body.model)
         max_tokens = body.max_tokens_requested()
+        check_body(state.limits, body, 1)
         params = body.sampling_params(state.engine.vocab_size, max_tokens, body.num_logprobs())
-    except ParamError as exc:
-        raise param_error(exc) from None
+        state.limits.check_params(params, constraint_field(body))
+    except (ParamError, LimitError) as exc:
+        raise param_error(exc, {"logprobs": "top_logprobs"}) from None
     prompt_ids = chat_prompt_ids(state, [m.to_dict() for m in body.messages])
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    state.check_length(len(prompt_ids), params.max_tokens, param)
+    state.check_length(len(prompt_ids), params, param)
     request_id = new_id("chatcmpl")
     stream = await state.start(
         [request_id], [prompt_ids], params, cache_salt=body.cache_salt, stream=bool(body.stream)
