@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagoda.json_body import BodyError, parse_json_body
+from pagoda.http_body import BodyError, parse_json_body
 from pagoda.limits import LimitError, RequestLimits, check_context, regex_depth
 from pagoda.sampling_params import SamplingParams, StructuredOutputs
 

@@ -318,7 +318,10 @@ def _launch_replicas(args: argparse.Namespace, model: str, config: Any) -> int:
             base_port=args.port + 1,
             router_host=args.host,
             router_port=args.port,
-            router_overrides={"max_body_size": args.max_body_size, **({"api_key": api_key} if api_key else {})},
+            router_overrides={
+                "max_body_size": args.max_body_size,
+                **({"api_key": api_key} if api_key else {}),
+            },
             log_level=args.log_level,
         )
     except ValueError as exc:

@@ -19,7 +19,7 @@ from fastapi import Request, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagoda.json_body import BodyError, parse_json_body
+from pagoda.http_body import BodyError, parse_json_body
 from pagoda.router.backends import Backend, BackendPool
 from pagoda.router.errors import error_response, is_openai_error, sse_error_event
 from pagoda.router.metrics import RouterMetrics

@@ -6,6 +6,8 @@ xgrammar cannot interrupt a compile, and some specs within the size limits compi
 on to the end and its result is dropped, but it no longer counts as a worker, so the queue moves
 on at once. At most `max_abandoned` abandoned compiles may run at a time; while that many burn
 CPU, new compiles fail at once with `GrammarBusyError` (the server answers 503) rather than pile up.
+Compile threads are not daemons: a process exiting in the middle of a compile would abort inside
+xgrammar, so the interpreter waits for them (`wait` bounds that for the server).
 
 State (`_queue`, `_active`, `_abandoned`) is guarded by `_lock`; futures are completed outside it.
 """
@@ -13,6 +15,7 @@ State (`_queue`, `_active`, `_abandoned`) is guarded by `_lock`; futures are com
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
@@ -52,6 +55,7 @@ class CompilePool:
         self._queue: deque[_Job] = deque()
         self._active = 0  # compiles running within their deadline
         self._abandoned = 0  # compiles running past it
+        self._threads: set[threading.Thread] = set()  # every compile still running
         self._closed = False
 
     @property
@@ -77,8 +81,17 @@ class CompilePool:
             future.set_exception(error)
         return future
 
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the running compiles; True if none is left."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
+
     def shutdown(self) -> None:
-        """Fail the queued compiles; running ones finish on their own (their threads are daemons)."""
+        """Cancel the queued compiles; running ones finish on their own."""
         with self._lock:
             self._closed = True
             queued = list(self._queue)
@@ -92,7 +105,9 @@ class CompilePool:
             if not job.future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
             self._active += 1
-            threading.Thread(target=self._run, args=(job,), name="pagoda-grammar", daemon=True).start()
+            thread = threading.Thread(target=self._run, args=(job,), name="pagoda-grammar")
+            self._threads.add(thread)
+            thread.start()
 
     def _run(self, job: _Job) -> None:
         timer = threading.Timer(self.timeout_s, self._expire, (job,))
@@ -112,6 +127,7 @@ class CompilePool:
                 self._abandoned -= 1
             else:
                 self._active -= 1
+            self._threads.discard(threading.current_thread())
             self._start_locked()
         if in_time:
             _complete(job.future, result, error)

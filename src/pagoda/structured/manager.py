@@ -196,5 +196,10 @@ class GrammarManager:
             raise ValueError("jump-forward needs the tokenizer: build the manager with encode=...")
         return self._jump_forward(matcher, output_token_ids, max_tokens)
 
+    def wait_for_compiles(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for compiles still running (xgrammar cannot interrupt them, and
+        a process must not exit in the middle of one); True if none is left."""
+        return self._pool.wait(timeout_s)
+
     def shutdown(self) -> None:
         self._pool.shutdown()

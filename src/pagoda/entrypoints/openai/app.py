@@ -31,6 +31,7 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion
 from pagoda.entrypoints.openai.serving_common import ServerState
 from pagoda.entrypoints.openai.serving_completions import create_completion
+from pagoda.http_body import BodySizeLimit
 from pagoda.limits import LimitError
 from pagoda.tokenizer import apply_chat_template
 from pagoda.tokenizer.chat import chat_roles
@@ -101,17 +102,20 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.engine.shutdown()
 
-    app = FastAPI(title="pagoda", lifespan=lifespan, max_body_size=state.max_body_size)
+    app = FastAPI(title="pagoda", lifespan=lifespan)
     app.state.pagoda = state
-    install_error_handlers(app, state.max_body_size)
+    if state.max_body_size is not None:
+        app.add_middleware(BodySizeLimit, max_bytes=state.max_body_size)
+    install_error_handlers(app)
 
     def check_auth(request: Request) -> None:
         if state.api_key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
+        # Constant time, on bytes: the header as sent (ASGI decodes it as latin-1), the key as UTF-8.
         if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), state.api_key.encode()
+            token.strip().encode("latin-1"), state.api_key.encode()
         ):
             raise APIError(
                 "invalid or missing API key: send 'Authorization: Bearer <key>'", 401, code="invalid_api_key"
@@ -231,4 +235,12 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
         state.engine.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0 if state.engine.error is None else 1
+    code = 0 if state.engine.error is None else 1
+    grammars = engine.core.grammars
+    if grammars is not None and not grammars.wait_for_compiles(config.shutdown_timeout_s):
+        # A grammar compile past its deadline still runs and cannot be interrupted; exiting the
+        # interpreter under it would abort the process, so leave without finalizing.
+        logger.warning("exiting with a grammar compile still running")
+        logging.shutdown()
+        os._exit(code)
+    return code

@@ -59,7 +59,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(f"{param}: {message}" if param else message, param=param)
 
 
-def install_error_handlers(app: FastAPI, max_body_size: int | None = None) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
@@ -70,10 +70,8 @@ def install_error_handlers(app: FastAPI, max_body_size: int | None = None) -> No
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 413 and max_body_size is not None:
-            message = f"the request body is larger than {max_body_size} bytes (--max-body-size)"
-            return APIError(message, 413, code="request_too_large").response()
-        error = APIError(str(exc.detail), exc.status_code, param=getattr(exc, "param", None))
+        param, code = getattr(exc, "param", None), getattr(exc, "code", None)
+        error = APIError(str(exc.detail), exc.status_code, param=param, code=code)
         return error.response(exc.headers)  # e.g. Allow on a 405
 
     @app.exception_handler(Exception)

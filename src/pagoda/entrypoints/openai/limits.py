@@ -1,8 +1,7 @@
 """The server's side of the request limits: bodies parsed strictly before FastAPI validates them.
 
-Every POST endpoint's JSON body goes through `pagoda.json_body` (invalid UTF-8, lone surrogates,
-NaN / Infinity are a 400 naming the field); the body size limit is FastAPI's own (`max_body_size`,
-a 413). The limits on what a request asks for (n, stop strings, grammar size, ...) live in
+Every POST endpoint's JSON body goes through `pagoda.http_body` (invalid UTF-8, lone surrogates,
+NaN / Infinity are a 400 naming the field; a body over --max-body-size is a 413). The limits on what a request asks for (n, stop strings, grammar size, ...) live in
 `pagoda.limits.RequestLimits`, which the engine checks too; the handlers call them before any
 tokenizing, compiling or engine work.
 """
@@ -16,7 +15,7 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from pagoda.json_body import BodyError, parse_json_body
+from pagoda.http_body import BodyError, parse_json_body
 from pagoda.limits import LimitError, RequestLimits
 
 DEFAULT_MAX_BODY_SIZE = 16 * 1024 * 1024  # bytes; --max-body-size

@@ -157,7 +157,7 @@ def _constrain_requests(
         "grammar": _set(**grammar_text),
         "choice": _set(**choices),
     }
-    message: dict[str, Callable[[dict[str, Any]], None]] = {}
+    message: dict[str, Callable[[dict[str, Any]], None]] = {"content": _drop_null}
     if chat_roles is not None:
         message["role"] = _set(enum=list(chat_roles))
     part = {"type": _set(enum=["text"])}
@@ -177,6 +177,8 @@ def _constrain_requests(
         for field, rule in rules.items():
             if field in properties:
                 rule(properties[field])
+    if "ChatMessage" in schemas:  # a message without content is refused
+        schemas["ChatMessage"]["required"] = ["role", "content"]
     if "ContentPart" in schemas:  # only text parts, each with its text
         schemas["ContentPart"]["required"] = ["type", "text"]
         schemas["ContentPart"]["properties"]["text"] = {"type": "string"}
@@ -188,6 +190,12 @@ def _branches(prop: dict[str, Any]) -> list[dict[str, Any]]:
     if options is None:
         return [prop]
     return [o for o in options if o.get("type") != "null"]
+
+
+def _drop_null(prop: dict[str, Any]) -> None:
+    if "anyOf" in prop:
+        prop["anyOf"] = _branches(prop)
+    prop.pop("default", None)
 
 
 def _set(**constraints: Any) -> Callable[[dict[str, Any]], None]:

@@ -1,4 +1,5 @@
-"""Decoding an untrusted JSON request body so that every problem is an error naming its field.
+"""Reading untrusted HTTP request bodies: a size limit, and JSON decoded so that every problem is
+an error naming its field.
 
 Python's json module accepts things that are not JSON text or not text at all: NaN and Infinity
 (and numbers like 1e400 that overflow to infinity), lone UTF-16 surrogates ("\\ud800"), and with
@@ -12,6 +13,9 @@ from __future__ import annotations
 import json
 import math
 from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class BodyError(ValueError):
@@ -31,6 +35,13 @@ class _NonFinite:
         self.text = text
 
 
+def _number(text: str) -> float | int:
+    """A JSON number with a fraction or exponent; integral values become ints, as JSON Schema's
+    "integer" includes 2.0 (the request models take ints for their float fields too)."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
 def parse_json_body(body: bytes) -> Any:
     """The parsed body; raises BodyError (message, param) for anything that is not JSON text."""
     try:
@@ -41,7 +52,7 @@ def parse_json_body(body: bytes) -> Any:
         text = body.decode("utf-8", errors="surrogateescape")
         invalid_utf8 = True
     try:
-        value = json.loads(text, parse_constant=_NonFinite)
+        value = json.loads(text, parse_constant=_NonFinite, parse_float=_number)
     except json.JSONDecodeError as exc:
         raise BodyError(
             f"the request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})"
@@ -92,3 +103,70 @@ def _check_text(text: str, path: tuple[str, ...], invalid_utf8: bool, *, is_key:
         else:
             problem = f"U+{code:04X} is a lone UTF-16 surrogate, not a Unicode character"
         raise BodyError(f"{what} is not valid Unicode text: {problem}", where) from None
+
+
+# ---- size ------------------------------------------------------------------------------------------
+class BodyTooLarge(HTTPException):
+    """Raised while the app reads a body past the limit. An HTTPException, so that FastAPI re-raises
+    it from its body parsing and the app's own handler answers with an OpenAI-shaped 413."""
+
+    code = "request_too_large"
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"the request body is larger than {max_bytes} bytes (--max-body-size)")
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over `max_bytes` gets a 413 at once when its Content-Length
+    says so (the app never runs), else as soon as the bytes read pass the limit (`BodyTooLarge`)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await _send_413(send, BodyTooLarge(self.max_bytes))
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _send_413(send: Send, error: BodyTooLarge) -> None:
+    body = json.dumps(
+        {
+            "error": {
+                "message": error.detail,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": error.code,
+            }
+        }
+    ).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
