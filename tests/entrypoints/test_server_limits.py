@@ -271,6 +271,7 @@ MALFORMED = [
     b'{"prompt": "hi", "guided_json": "{\\"type\\": "}',
     b'{"prompt": "hi", "guided_json": {"$ref": "file:///etc/passwd"}}',
     b'{"prompt": "hi", "guided_grammar": "root ::= a\\na ::= root"}',
+    b'{"prompt": "hi", "guided_grammar": "root ::= \\"x\\" a | \\"y\\"\\na ::= a"}',  # a dead end after x
     b'{"prompt": "hi", "guided_regex": "(("}',
     b"\x00\x01\x02",
 ]

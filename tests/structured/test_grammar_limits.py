@@ -117,6 +117,37 @@ def test_a_grammar_that_matches_nothing_is_refused(manager: GrammarManager, gram
         future.result(WAIT_S)
 
 
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        'root ::= "x" a | "y"\na ::= a',
+        'root ::= "x" a\na ::= b | b\nb ::= a',
+        'root ::= "x" ("" a)\na ::= a "q"',
+        'root ::= [a-z]+ a\na ::= b "q"\nb ::= b',
+        'start: "x" a | "y"\na: a',  # Lark
+    ],
+)
+def test_a_grammar_with_a_dead_end_is_refused(manager: GrammarManager, grammar: str) -> None:
+    # After "x" no token would be allowed at all: the engine could sample nothing.
+    with pytest.raises(ValueError, match="dead end"):
+        manager.compile_async(StructuredOutputs(grammar=grammar)).result(WAIT_S)
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        'root ::= "x" a | "y"\na ::= "x" a',  # never ends, but always allows "x"
+        'root ::= a?\na ::= a "q"',  # a is a dead end but never reached: root may be empty
+        'root ::= ("a" | [b-c]*)+ d{2,3} (= "q")\nd ::= "q"? [^"]*',
+        'root ::= "" | "x" root',
+        'root ::= [a-z]+ a*\na ::= "q" | b\nb ::= b',  # b's alternative is never entered
+        'start: "a" b\nb: /[0-9]+/ | "x"',
+    ],
+)
+def test_grammars_without_dead_ends_compile(manager: GrammarManager, grammar: str) -> None:
+    assert manager.compile_async(StructuredOutputs(grammar=grammar)).result(WAIT_S)
+
+
 def test_nesting_past_the_python_stack_is_a_value_error(manager: GrammarManager) -> None:
     deep: dict = {"type": "integer"}
     for _ in range(2000):

@@ -11,6 +11,7 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from pagoda.sampling_params import StructuredOutputs
+from pagoda.structured.dead_ends import check_no_dead_ends
 from pagoda.structured.spec import choice_grammar, is_ebnf, parse_json_schema
 from pagoda.structured.valid_utf8 import valid_utf8_ebnf, valid_utf8_grammar
 
@@ -173,7 +174,10 @@ class XGrammarBackend:
         if spec.grammar is not None and not is_ebnf(spec.grammar):
             kind = "grammar (read as Lark: it has no '::=' rules)"
         try:
-            compiled = self._compiler.compile_grammar(self._valid_utf8_grammar(spec, schema))
+            grammar = self._valid_utf8_grammar(spec, schema)
+            if spec.grammar is not None:  # a request's own rules may contain a dead end
+                check_no_dead_ends(str(grammar))
+            compiled = self._compiler.compile_grammar(grammar)
         except RecursionError:  # RequestLimits bounds nesting; this is the last line of defence
             raise ValueError(f"invalid structured_outputs.{kind}: it is nested too deeply") from None
         except (RuntimeError, TypeError, ValueError) as e:
