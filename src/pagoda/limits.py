@@ -18,6 +18,8 @@ from pagoda.sampling_params import SamplingParams, StructuredOutputs
 
 # OpenAI's maximum for logprobs / top_logprobs; SamplingParams enforces it too.
 MAX_LOGPROBS = 20
+# Largest request body the server and the router read, in bytes (--max-body-size); a 413 beyond.
+DEFAULT_MAX_BODY_SIZE = 16 * 1024 * 1024
 
 
 class LimitError(ValueError):

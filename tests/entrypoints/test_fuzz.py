@@ -67,7 +67,7 @@ OPERATIONS = [
 ]
 
 
-def _fuzz(api_schema, method: str, path: str, max_examples: int) -> None:
+def _fuzz(api_schema, server: str, method: str, path: str, max_examples: int) -> None:
     operation = api_schema[path][method]
     cases = st.one_of(
         operation.as_strategy(generation_mode=GenerationMode.POSITIVE),
@@ -82,6 +82,7 @@ def _fuzz(api_schema, method: str, path: str, max_examples: int) -> None:
         case.call_and_validate(checks=CHECKS)
 
     run()
+    _nothing_left_behind(server)
 
 
 def test_the_document_lists_every_operation(api_schema) -> None:
@@ -90,20 +91,20 @@ def test_the_document_lists_every_operation(api_schema) -> None:
 
 
 @pytest.mark.parametrize(("method", "path"), OPERATIONS)
-def test_fuzz_every_operation(api_schema, method: str, path: str) -> None:
-    _fuzz(api_schema, method, path, max_examples=40)
+def test_fuzz_every_operation(api_schema, fuzz_server: str, method: str, path: str) -> None:
+    _fuzz(api_schema, fuzz_server, method, path, max_examples=40)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("method", "path"), OPERATIONS)
-def test_fuzz_every_operation_long(api_schema, method: str, path: str) -> None:
-    _fuzz(api_schema, method, path, max_examples=1000)
+def test_fuzz_every_operation_long(api_schema, fuzz_server: str, method: str, path: str) -> None:
+    _fuzz(api_schema, fuzz_server, method, path, max_examples=1000)
 
 
-def test_after_fuzzing_nothing_is_left_behind(fuzz_server: str) -> None:
-    """Runs after the fuzz tests of this module (pytest keeps definition order)."""
-    wait_idle(fuzz_server, timeout_s=60)
-    assert httpx.get(fuzz_server + "/health", timeout=10).status_code == 200
+def _nothing_left_behind(server: str) -> None:
+    """After an operation's cases: nothing runs, waits or holds a KV block, and the engine serves."""
+    wait_idle(server, timeout_s=60)
+    assert httpx.get(server + "/health", timeout=10).status_code == 200
     body = {"prompt": "still fine", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-    response = httpx.post(fuzz_server + "/v1/completions", json=body, timeout=60)
+    response = httpx.post(server + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3

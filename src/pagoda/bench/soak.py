@@ -12,8 +12,8 @@ Exits non-zero when a check fails; `--result-file` keeps the figures as JSON.
 
 from __future__ import annotations
 
+# Only the standard library's light modules at import time: `pagoda --help` registers this command.
 import argparse
-import asyncio
 import contextlib
 import json
 import random
@@ -120,6 +120,8 @@ class SoakResult:
 
 
 async def run_soak(config: SoakConfig) -> SoakResult:
+    import asyncio
+
     import httpx
 
     result = SoakResult(config={k: v for k, v in asdict(config).items() if k != "api_key"})
@@ -197,6 +199,8 @@ def _judge(result: SoakResult, config: SoakConfig) -> None:
 # ---- one request ------------------------------------------------------------------------------------
 async def _request(client: Any, model: str, config: SoakConfig, kind: str, draw: float, i: int) -> str:
     """Send one request of `kind`; returns "ok", "aborted", or what went wrong."""
+    import asyncio
+
     import httpx
 
     rng = random.Random(i)
@@ -294,6 +298,8 @@ async def _greedy_text(client: Any, model: str, config: SoakConfig) -> str:
 
 async def _wait_idle(client: Any, timeout_s: float) -> dict[str, float]:
     """The /metrics sample once nothing runs or waits and no KV block is held (or at the timeout)."""
+    import asyncio
+
     from prometheus_client.parser import text_string_to_metric_families
 
     deadline = time.monotonic() + timeout_s
@@ -340,6 +346,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import asyncio
     import os
 
     import httpx

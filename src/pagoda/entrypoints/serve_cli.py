@@ -8,7 +8,10 @@ import dataclasses
 import sys
 from typing import Any
 
-from pagoda.limits import RequestLimits  # stdlib-only imports: keeps `pagoda --help` fast
+from pagoda.limits import (
+    DEFAULT_MAX_BODY_SIZE,
+    RequestLimits,
+)  # stdlib-only imports: keeps `pagoda --help` fast
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # Flags that map one to one onto EngineArgs fields (the dest is the field name).
@@ -69,8 +72,8 @@ def register(subparsers: Any) -> None:
     group.add_argument(
         "--max-body-size",
         type=int,
-        default=16 * 1024 * 1024,
-        help="largest request body in bytes; larger ones get a 413 (16777216)",
+        default=DEFAULT_MAX_BODY_SIZE,
+        help=f"largest request body in bytes; larger ones get a 413 ({DEFAULT_MAX_BODY_SIZE})",
     )
     _add_limit_args(serve)
     _add_engine_args(serve)

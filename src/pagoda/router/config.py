@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from pagoda.limits import DEFAULT_MAX_BODY_SIZE
 from pagoda.router.policies import DEFAULT_POLICY, POLICIES, CacheAwareConfig
 
 
@@ -63,7 +64,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0  # connecting to a backend slower than this fails (and is retried)
     read_timeout_s: float = 600.0  # longest silence allowed between two pieces of a backend's response
     seed: int | None = None  # random seed of the power-of-two policy
-    max_body_size: int = 16 * 1024 * 1024  # bytes; a larger request body gets a 413
+    max_body_size: int = DEFAULT_MAX_BODY_SIZE  # bytes; a larger request body gets a 413
 
     def __post_init__(self) -> None:
         if not isinstance(self.backends, tuple | list) or not self.backends:

@@ -17,7 +17,7 @@ from pagoda.config import EngineArgs
 from pagoda.engine.async_engine import AsyncLLM
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.openai.errors import APIError, install_error_handlers
-from pagoda.entrypoints.openai.limits import DEFAULT_MAX_BODY_SIZE, StrictJSONRoute
+from pagoda.entrypoints.openai.limits import StrictJSONRoute
 from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda.entrypoints.openai.openapi import install_openapi
 from pagoda.entrypoints.openai.protocol import (
@@ -32,7 +32,7 @@ from pagoda.entrypoints.openai.serving_chat import create_chat_completion
 from pagoda.entrypoints.openai.serving_common import ServerState
 from pagoda.entrypoints.openai.serving_completions import create_completion
 from pagoda.http_body import BodySizeLimit
-from pagoda.limits import LimitError
+from pagoda.limits import DEFAULT_MAX_BODY_SIZE, LimitError
 from pagoda.tokenizer import apply_chat_template
 from pagoda.tokenizer.chat import chat_roles
 

@@ -18,8 +18,6 @@ from starlette.exceptions import HTTPException
 from pagoda.http_body import BodyError, parse_json_body
 from pagoda.limits import LimitError, RequestLimits
 
-DEFAULT_MAX_BODY_SIZE = 16 * 1024 * 1024  # bytes; --max-body-size
-
 
 class InvalidBody(HTTPException):
     """Raised while FastAPI reads the body (it re-raises HTTPExceptions from there); the app's
