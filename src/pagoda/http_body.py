@@ -67,42 +67,59 @@ def parse_json_body(body: bytes) -> Any:
 
 def check_json_value(value: Any, *, invalid_utf8: bool = False) -> None:
     """Raise BodyError naming the first string that is not valid Unicode or number that is not
-    finite in a parsed JSON value (iteratively: depth costs no Python stack)."""
-    stack: list[tuple[Any, tuple[str, ...]]] = [(value, ())]
+    finite in a parsed JSON value (iteratively: depth costs no Python stack). Scalars that cannot
+    be wrong (ints, bools, null, ASCII strings) are skipped without building their path."""
+    stack: list[tuple[Any, _Where]] = [(value, None)]
     while stack:
-        item, path = stack.pop()
-        if isinstance(item, str):
-            _check_text(item, path, invalid_utf8)
-        elif isinstance(item, dict):
+        item, where = stack.pop()
+        kind = type(item)
+        if kind is str:
+            _check_text(item, where, invalid_utf8)
+        elif kind is dict:
             for key, child in item.items():
-                _check_text(key, (*path, key), invalid_utf8, is_key=True)
-                stack.append((child, (*path, key)))
-        elif isinstance(item, list):
-            stack.extend((child, (*path, str(i))) for i, child in enumerate(item))
-        elif isinstance(item, _NonFinite) or (isinstance(item, float) and not math.isfinite(item)):
-            text = item.text if isinstance(item, _NonFinite) else repr(item)
-            where = _param(path)
-            raise BodyError(f"{where or 'the body'}: {text} is not a finite number", where)
+                if not key.isascii():
+                    _check_text(key, where, invalid_utf8, key=key)
+                if not _fine(child):
+                    stack.append((child, (where, key)))
+        elif kind is list:
+            stack.extend((child, (where, str(i))) for i, child in enumerate(item) if not _fine(child))
+        elif kind is _NonFinite or (kind is float and not math.isfinite(item)):
+            text = item.text if kind is _NonFinite else repr(item)
+            param = _param(where)
+            raise BodyError(f"{param or 'the body'}: {text} is not a finite number", param)
 
 
-def _param(path: tuple[str, ...]) -> str | None:
-    return ".".join(path) or None
+# Where a value sits: None for the whole body, else (where its container sits, its key or index).
+_Where = tuple[Any, str] | None
 
 
-def _check_text(text: str, path: tuple[str, ...], invalid_utf8: bool, *, is_key: bool = False) -> None:
+def _fine(value: Any) -> bool:
+    kind = type(value)
+    return kind is int or kind is bool or value is None or (kind is str and value.isascii())
+
+
+def _param(where: _Where) -> str | None:
+    parts: list[str] = []
+    while where is not None:
+        where, key = where
+        parts.append(key)
+    return ".".join(reversed(parts)) or None
+
+
+def _check_text(text: str, where: _Where, invalid_utf8: bool, *, key: str | None = None) -> None:
     if text.isascii():
         return
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        where = _param(path[:-1] if is_key else path)
-        what = f"a key of {where}" if is_key and where else "a key" if is_key else where or "the body"
+        param = _param(where)
+        what = (f"a key of {param}" if param else "a key") if key is not None else param or "the body"
         code = ord(text[exc.start])
         if invalid_utf8 and 0xDC80 <= code <= 0xDCFF:
             problem = f"byte 0x{code - 0xDC00:02X} is not valid UTF-8"
         else:
             problem = f"U+{code:04X} is a lone UTF-16 surrogate, not a Unicode character"
-        raise BodyError(f"{what} is not valid Unicode text: {problem}", where) from None
+        raise BodyError(f"{what} is not valid Unicode text: {problem}", param) from None
 
 
 # ---- size ------------------------------------------------------------------------------------------
