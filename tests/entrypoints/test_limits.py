@@ -200,6 +200,12 @@ def llm(tiny_llama_dir: str):
         ("hi", SamplingParams(n=5), "n"),
         ("hi", SamplingParams(logprobs=6), "logprobs"),
         ("hi", SamplingParams(stop=["a", "b", "c"]), "stop"),
+        ("hi", SamplingParams(logit_bias={1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}), "logit_bias"),
+        (
+            "hi",
+            SamplingParams(structured_outputs=StructuredOutputs(regex="a" * 201)),
+            "structured_outputs.regex",
+        ),
         ("x" * 51, SamplingParams(), "prompt"),
         ("\ud800", SamplingParams(), "prompt"),
         ("hi", SamplingParams(max_tokens=512), "max_tokens"),  # no silent clamping to the context
