@@ -99,8 +99,9 @@ class RequestLimits:
         """Size and nesting of an output constraint, before it is parsed or compiled."""
         kind = spec.kind
         where = param or f"structured_outputs.{kind}"
-        if spec.json is not None:
-            text = spec.json if isinstance(spec.json, str) else None
+        document = spec.json if spec.json is not None else getattr(spec, "structural_tag", None)
+        if document is not None:  # a JSON schema, or a structural tag (with schemas inside)
+            text = document if isinstance(document, str) else None
             if text is not None:
                 _over(where, len(text), self.max_grammar_chars, "max_grammar_chars", "characters")
                 try:
@@ -108,7 +109,7 @@ class RequestLimits:
                 except (ValueError, RecursionError):
                     return  # not JSON: the schema parser reports it with its position
             else:
-                schema = spec.json
+                schema = document
             size, depth = _json_size_and_depth(schema)
             _over(where, size, self.max_grammar_chars, "max_grammar_chars", "characters as compact JSON")
             _over(where, depth, self.max_grammar_depth, "max_grammar_depth", "levels of nesting")
@@ -147,21 +148,23 @@ class RequestLimits:
                 param,
             )
 
-    def check_messages(self, messages: Sequence[Mapping[str, Any]], max_model_len: int) -> None:
-        """Number of chat messages, and their text in total against the prompt character limit."""
+    def check_messages(self, messages: Sequence[Any], max_model_len: int) -> None:
+        """Number of chat messages (dicts or the server's message models), and their text in total
+        against the prompt character limit."""
         _over("messages", len(messages), self.max_messages, "max_messages", "messages")
         total = 0
         for message in messages:
-            content = message.get("content")
+            content = _get(message, "content")
             if isinstance(content, str):
                 total += len(content)
-        _over(
-            "messages",
-            total,
-            self.prompt_char_limit(max_model_len),
-            "max_prompt_chars",
-            "characters of content",
-        )
+            elif isinstance(content, list):  # content parts
+                total += sum(len(t) for part in content if isinstance(t := _get(part, "text"), str))
+        limit = self.prompt_char_limit(max_model_len)
+        _over("messages", total, limit, "max_prompt_chars", "characters of content")
+
+
+def _get(item: Any, name: str) -> Any:
+    return item.get(name) if isinstance(item, Mapping) else getattr(item, name, None)
 
 
 def check_context(

@@ -21,13 +21,19 @@ _FLOAT_FIELDS = (
 
 @dataclass(frozen=True)
 class StructuredOutputs:
-    """Constraints on the output: exactly one of the fields must be set (names as in vLLM)."""
+    """Constraints on the output: exactly one of the fields must be set (names as in vLLM).
+
+    ``structural_tag`` is a structural tag (JSON text or dict, ``{"type": "structural_tag", "format":
+    ...}``): free text, tagged regions and constrained parts in sequence; the tool-call and
+    reasoning constraints of the chat API are built as such (``pagoda.structured.tags``).
+    """
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         given = [
@@ -37,12 +43,14 @@ class StructuredOutputs:
                 ("regex", self.regex),
                 ("choice", self.choice),
                 ("grammar", self.grammar),
+                ("structural_tag", self.structural_tag),
             )
             if value is not None
         ] + (["json_object"] if self.json_object else [])
         if len(given) != 1:
             raise ValueError(
-                f"StructuredOutputs needs exactly one of json, regex, choice, grammar, json_object; got {given or 'none'}"
+                "StructuredOutputs needs exactly one of json, regex, choice, grammar, json_object, "
+                f"structural_tag; got {given or 'none'}"
             )
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
@@ -51,7 +59,7 @@ class StructuredOutputs:
 
     @property
     def kind(self) -> str:
-        for name in ("json", "regex", "choice", "grammar"):
+        for name in ("json", "regex", "choice", "grammar", "structural_tag"):
             if getattr(self, name) is not None:
                 return name
         return "json_object"

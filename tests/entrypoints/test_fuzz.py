@@ -58,6 +58,8 @@ def api_schema(fuzz_server: str):
 OPERATIONS = [
     ("GET", "/health"),
     ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model_id}"),
+    ("GET", "/version"),
     ("GET", "/metrics"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),

@@ -75,6 +75,33 @@ def register(subparsers: Any) -> None:
         default=DEFAULT_MAX_BODY_SIZE,
         help=f"largest request body in bytes; larger ones get a 413 ({DEFAULT_MAX_BODY_SIZE})",
     )
+    chat = serve.add_argument_group("chat")
+    chat.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "mistral", "qwen3_xml", "none"),
+        default=None,
+        help="how the model writes tool calls (default: chosen from the chat template; none: calls are "
+        "not parsed)",
+    )
+    chat.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM command lines; pagoda always serves tool_choice auto when it parses calls",
+    )
+    chat.add_argument(
+        "--reasoning-parser",
+        choices=("qwen3", "deepseek_r1", "none"),
+        default=None,
+        help="split <think> reasoning into reasoning_content (default: when the chat template has <think>)",
+    )
+    chat.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="chat template variables for every request, e.g. '{\"enable_thinking\": false}' "
+        "(a request's chat_template_kwargs win)",
+    )
     _add_limit_args(serve)
     _add_engine_args(serve)
     serve.set_defaults(func=_run_serve)
@@ -236,6 +263,18 @@ def _add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> N
 DEMO_MODEL_NAME = "pagoda-demo"
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def _fail(command: str, message: str) -> int:
     print(f"pagoda {command}: error: {message}", file=sys.stderr)
     return 2
@@ -294,6 +333,9 @@ def _run_serve(args: argparse.Namespace) -> int:
             shutdown_timeout_s=args.shutdown_timeout,
             log_level=args.log_level,
             max_body_size=args.max_body_size,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+            default_chat_template_kwargs=args.default_chat_template_kwargs or {},
         )
     except (ValueError, OSError, ImportError) as exc:
         return _fail("serve", str(exc))
@@ -334,8 +376,18 @@ def _launch_replicas(args: argparse.Namespace, model: str, config: Any) -> int:
 def _replica_flags(args: argparse.Namespace) -> list[str]:
     """`pagoda serve` flags that give each replica this command's engine settings (the router in
     front checks the API key; the replicas listen on loopback ports without one)."""
+    import json
+
     flags: list[str] = []
-    names = [*_ENGINE_FIELDS, "served_model_name", "max_waiting_requests", "shutdown_timeout", "log_level"]
+    names = [
+        *_ENGINE_FIELDS,
+        "served_model_name",
+        "max_waiting_requests",
+        "shutdown_timeout",
+        "log_level",
+        "tool_call_parser",
+        "reasoning_parser",
+    ]
     names += ["max_body_size", *_LIMIT_FLAGS]
     for name in names:
         value = getattr(args, name)
@@ -344,6 +396,10 @@ def _replica_flags(args: argparse.Namespace) -> list[str]:
             flags.append(flag if value else "--no-" + flag[2:])
         elif value is not None:
             flags += [flag, str(value)]
+    if args.enable_auto_tool_choice:
+        flags.append("--enable-auto-tool-choice")
+    if args.default_chat_template_kwargs:
+        flags += ["--default-chat-template-kwargs", json.dumps(args.default_chat_template_kwargs)]
     return flags
 
 

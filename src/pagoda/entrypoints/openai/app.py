@@ -8,14 +8,18 @@ import os
 import secrets
 import signal
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 
+from pagoda import __version__
 from pagoda.config import EngineArgs
 from pagoda.engine.async_engine import AsyncLLM
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.entrypoints.openai.chat_render import render_chat
+from pagoda.entrypoints.openai.chat_settings import ChatSettings, log_settings
 from pagoda.entrypoints.openai.errors import APIError, install_error_handlers
 from pagoda.entrypoints.openai.limits import StrictJSONRoute
 from pagoda.entrypoints.openai.metrics import ServerMetrics
@@ -26,6 +30,7 @@ from pagoda.entrypoints.openai.protocol import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
+    ParamError,
     TokenizeRequest,
 )
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion
@@ -33,7 +38,6 @@ from pagoda.entrypoints.openai.serving_common import ServerState
 from pagoda.entrypoints.openai.serving_completions import create_completion
 from pagoda.http_body import BodySizeLimit
 from pagoda.limits import DEFAULT_MAX_BODY_SIZE, LimitError
-from pagoda.tokenizer import apply_chat_template
 from pagoda.tokenizer.chat import chat_roles
 
 logger = logging.getLogger("pagoda.server")
@@ -49,6 +53,10 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may run on after SIGINT/SIGTERM
     log_level: str = "info"
     max_body_size: int = DEFAULT_MAX_BODY_SIZE  # bytes; a larger request body gets a 413
+    # Chat replies: parsers by vLLM's names (None: chosen from the chat template; "none": off).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -73,6 +81,8 @@ class ServerConfig:
             or self.max_body_size < 1
         ):
             raise ValueError(f"max_body_size must be an integer >= 1 (bytes), got {self.max_body_size!r}")
+        if not isinstance(self.default_chat_template_kwargs, dict):
+            raise ValueError("default_chat_template_kwargs must be a JSON object")
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get("PAGODA_API_KEY") or None
@@ -81,6 +91,12 @@ class ServerConfig:
 def build_state(engine: LLMEngine, config: ServerConfig) -> ServerState:
     """Start the engine thread with Prometheus metrics attached."""
     name = config.served_model_name or engine.args.model
+    chat = ChatSettings.create(
+        engine.tokenizer,
+        tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
+        default_kwargs=config.default_chat_template_kwargs,
+    )
     metrics = ServerMetrics(name)
     async_engine = AsyncLLM(engine, max_waiting_requests=config.max_waiting_requests, on_step=metrics.on_step)
     return ServerState(
@@ -89,6 +105,7 @@ def build_state(engine: LLMEngine, config: ServerConfig) -> ServerState:
         [name],
         engine.args.model,
         config.resolved_api_key(),
+        chat,
         limits=engine.args.limits,
         max_body_size=config.max_body_size,
     )
@@ -129,13 +146,20 @@ def create_app(state: ServerState) -> FastAPI:
 
     api = APIRouter(dependencies=[Depends(check_auth)], route_class=StrictJSONRoute)
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=state.model_path, max_model_len=state.engine.max_model_len)
+
     @api.get("/v1/models")
     async def models() -> ModelList:
-        cards = [
-            ModelCard(id=n, root=state.model_path, max_model_len=state.engine.max_model_len)
-            for n in state.model_names
-        ]
-        return ModelList(data=cards)
+        return ModelList(data=[card(n) for n in state.model_names])
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        return card(state.resolve_model(model_id))
+
+    @api.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -150,14 +174,12 @@ def create_app(state: ServerState) -> FastAPI:
         state.resolve_model(body.model)
         max_model_len = state.engine.max_model_len
         if body.messages is not None:
-            messages = [m.to_dict() for m in body.messages]
             try:
-                state.limits.check_messages(messages, max_model_len)
-                ids = apply_chat_template(
-                    state.engine.tokenizer, messages, add_generation_prompt=body.add_generation_prompt
-                )
-            except ValueError as exc:
-                raise APIError(str(exc), param="messages") from None
+                body.template_checks(body.messages)
+                state.limits.check_messages(body.messages, max_model_len)
+            except (ParamError, LimitError) as exc:
+                raise APIError(str(exc), param=exc.param) from None
+            ids = render_chat(state.engine.tokenizer, state.chat, body.messages, body).prompt_ids
         else:
             try:
                 state.limits.check_prompt(body.prompt, max_model_len)
@@ -214,6 +236,7 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
 
     engine = LLMEngine(engine_args)
     state = build_state(engine, config)
+    log_settings(state.chat)
     app = create_app(state)
     server = uvicorn.Server(
         uvicorn.Config(

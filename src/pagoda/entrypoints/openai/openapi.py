@@ -157,7 +157,7 @@ def _constrain_requests(
         "grammar": _set(**grammar_text),
         "choice": _set(**choices),
     }
-    message: dict[str, Callable[[dict[str, Any]], None]] = {"content": _drop_null}
+    message: dict[str, Callable[[dict[str, Any]], None]] = {}
     if chat_roles is not None:
         message["role"] = _set(enum=list(chat_roles))
     part = {"type": _set(enum=["text"])}
@@ -177,8 +177,6 @@ def _constrain_requests(
         for field, rule in rules.items():
             if field in properties:
                 rule(properties[field])
-    if "ChatMessage" in schemas:  # a message without content is refused
-        schemas["ChatMessage"]["required"] = ["role", "content"]
     if "ContentPart" in schemas:  # only text parts, each with its text
         schemas["ContentPart"]["required"] = ["type", "text"]
         schemas["ContentPart"]["properties"]["text"] = {"type": "string"}
@@ -190,12 +188,6 @@ def _branches(prop: dict[str, Any]) -> list[dict[str, Any]]:
     if options is None:
         return [prop]
     return [o for o in options if o.get("type") != "null"]
-
-
-def _drop_null(prop: dict[str, Any]) -> None:
-    if "anyOf" in prop:
-        prop["anyOf"] = _branches(prop)
-    prop.pop("default", None)
 
 
 def _set(**constraints: Any) -> Callable[[dict[str, Any]], None]:
@@ -235,7 +227,9 @@ def _describe_responses(doc: dict[str, Any], auth: bool) -> None:
                 codes += [400, 413]
             if auth and path != "/health":
                 codes.append(401)
-            if path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+            if path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize") or (
+                path.startswith("/v1/models/")
+            ):
                 codes.append(404)
             if path in ("/v1/completions", "/v1/chat/completions", "/reset_prefix_cache", "/health"):
                 codes.append(503)

@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from pagoda.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
 from pagoda.engine.input_processor import tokenize_prompt
+from pagoda.entrypoints.openai.chat_settings import ChatSettings
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda.entrypoints.openai.protocol import ParamError, PromptTokensDetails, Usage
@@ -34,6 +35,7 @@ class ServerState:
     model_names: list[str]  # the names clients may ask for; the first is reported back
     model_path: str
     api_key: str | None = None
+    chat: ChatSettings = field(default_factory=ChatSettings)  # how chats are rendered and replies parsed
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_body_size: int | None = None  # bytes; larger bodies get a 413
     _token_texts: dict[int, str] = field(default_factory=dict)
