@@ -225,3 +225,38 @@ def test_offline_llm_applies_the_same_limits(llm, prompt: str, params: SamplingP
     out = llm.generate("hi", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
     llm.engine.core.check_invariants()
+
+
+# ---- the constraint built from a request's tools -----------------------------------------------------
+def test_tools_are_bounded_like_any_constraint(tmp_path) -> None:
+    from chat_families import build_family_model
+    from fastapi.testclient import TestClient
+
+    from pagoda.config import EngineArgs
+    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.entrypoints.openai.app import ServerConfig, build_state, create_app
+
+    model = build_family_model(tmp_path, "qwen25")
+    limits = RequestLimits(max_grammar_chars=400)
+    engine = LLMEngine(EngineArgs(model=model, dtype="float32", num_kv_blocks=512, limits=limits))
+    state = build_state(engine, ServerConfig())
+    ask = [{"role": "user", "content": "hi"}]
+
+    def tool(parameters: dict) -> dict:
+        return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+    try:
+        with TestClient(create_app(state)) as client:
+            big = {"type": "object", "properties": {f"p{i}": {"description": "x" * 50} for i in range(8)}}
+            body = {"messages": ask, "tools": [tool(big)], "tool_choice": "required", "max_tokens": 4}
+            error = client.post("/v1/chat/completions", json=body).json()["error"]
+            assert error["param"] == "tools" and "--max-grammar-chars" in error["message"], error
+            leak = {"type": "object", "properties": {"a": {"$ref": "file:///etc/passwd"}}}
+            body = {"messages": ask, "tools": [tool(leak)], "tool_choice": "required", "max_tokens": 4}
+            response = client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 400 and "never read from files" in response.text, response.text
+            small = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+            body = {"messages": ask, "tools": [tool(small)], "tool_choice": "required", "max_tokens": 30}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+    finally:
+        state.engine.shutdown()
