@@ -99,7 +99,7 @@ class RequestLimits:
         """Size and nesting of an output constraint, before it is parsed or compiled."""
         kind = spec.kind
         where = param or f"structured_outputs.{kind}"
-        document = spec.json if spec.json is not None else getattr(spec, "structural_tag", None)
+        document = spec.json if spec.json is not None else spec.structural_tag
         if document is not None:  # a JSON schema, or a structural tag (with schemas inside)
             text = document if isinstance(document, str) else None
             if text is not None:

@@ -156,6 +156,7 @@ def _constrain_requests(
         "regex": _set(**grammar_text),
         "grammar": _set(**grammar_text),
         "choice": _set(**choices),
+        "structural_tag": _set_where("string", maxLength=limits.max_grammar_chars),
     }
     message: dict[str, Callable[[dict[str, Any]], None]] = {}
     if chat_roles is not None:
