@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+
+from pagoda.limits import RequestLimits
 
 _DTYPES = {
     "float32": torch.float32,
@@ -110,6 +112,8 @@ class EngineArgs:
     # (a larger decode batch is compute-bound there, so rejected drafts cost more than the passes
     # they save), no limit on other devices.
     jump_forward_max_running: int | None = None
+    # Limits on every size a request can choose (n, stop strings, grammar size, ...): see limits.py.
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -144,6 +148,8 @@ class EngineArgs:
             raise ValueError(
                 f"jump_forward_max_running must be an integer >= 1, got {self.jump_forward_max_running!r}"
             )
+        if not isinstance(self.limits, RequestLimits):
+            raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
         # Validate the component configs early, so a bad value fails before the model loads.
         self.cache_config()
         self.scheduler_config(self.max_model_len or 2)

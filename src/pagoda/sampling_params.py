@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(frozen=True)
@@ -86,7 +97,24 @@ class SamplingParams:
                 raise ValueError(msg)
 
         check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        for name in _FLOAT_FIELDS:  # NaN and infinity pass the range checks below (or break them)
+            value = getattr(self, name)
+            check(
+                isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value),
+                f"{name} must be a finite number, got {value!r}",
+            )
         check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        # The sampler works in float32: these bounds keep every logit finite (an infinite logit
+        # turns the row's probabilities into NaN), with room to spare.
+        check(
+            self.temperature <= MAX_TEMPERATURE,
+            f"temperature must be <= {MAX_TEMPERATURE}, got {self.temperature}",
+        )
+        check(
+            REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
+            f"repetition_penalty must be in [{REPETITION_PENALTY_RANGE[0]}, {REPETITION_PENALTY_RANGE[1]}], "
+            f"got {self.repetition_penalty}",
+        )
         check(
             isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
             f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
@@ -133,7 +161,10 @@ class SamplingParams:
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 check(isinstance(tok, int) and tok >= 0, f"logit_bias keys must be token ids, got {tok!r}")
-                check(-100.0 <= bias <= 100.0, f"logit_bias values must be in [-100, 100], got {bias}")
+                check(
+                    isinstance(bias, int | float) and not isinstance(bias, bool) and -100.0 <= bias <= 100.0,
+                    f"logit_bias values must be numbers in [-100, 100], got {bias!r}",
+                )
 
     @property
     def greedy(self) -> bool:

@@ -31,7 +31,32 @@ def parse_json_schema(schema: dict[str, Any] | str) -> dict[str, Any]:
         raise ValueError(
             f"structured_outputs.json is not a valid JSON schema at {where}: {e.message}"
         ) from None
+    except RecursionError:  # RequestLimits bounds nesting; this is the last line of defence
+        raise ValueError("structured_outputs.json is nested too deeply") from None
+    _check_local_refs(schema)
     return schema
+
+
+_REF_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
+def _check_local_refs(schema: dict[str, Any]) -> None:
+    """Only references into the schema itself ('#...'): a schema must never make the server read a
+    file or fetch a URL, and xgrammar would silently treat an unresolved reference as any value."""
+    stack: list[Any] = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for keyword in _REF_KEYWORDS:
+                ref = item.get(keyword)
+                if isinstance(ref, str) and not ref.startswith("#"):
+                    raise ValueError(
+                        f"structured_outputs: {keyword} {ref!r:.200} is not a reference into the schema "
+                        "itself ('#/...'); schemas are never read from files or URLs"
+                    )
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def parse_structural_tag(tag: dict[str, Any] | str) -> dict[str, Any]:
@@ -48,6 +73,7 @@ def parse_structural_tag(tag: dict[str, Any] | str) -> dict[str, Any]:
         raise ValueError(
             'structured_outputs.structural_tag must be {"type": "structural_tag", "format": {...}}'
         )
+    _check_local_refs(tag)  # the JSON schemas in its formats
     return tag
 
 

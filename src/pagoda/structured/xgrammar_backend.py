@@ -13,6 +13,7 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from pagoda.sampling_params import StructuredOutputs
+from pagoda.structured.dead_ends import check_no_dead_ends
 from pagoda.structured.spec import choice_grammar, is_ebnf, parse_json_schema, parse_structural_tag
 from pagoda.structured.valid_utf8 import valid_utf8_ebnf, valid_utf8_grammar
 
@@ -175,10 +176,22 @@ class XGrammarBackend:
         if spec.grammar is not None and not is_ebnf(spec.grammar):
             kind = "grammar (read as Lark: it has no '::=' rules)"
         try:
-            compiled = self._compiler.compile_grammar(self._valid_utf8_grammar(spec, schema))
+            grammar = self._valid_utf8_grammar(spec, schema)
+            if spec.grammar is not None:  # a request's own rules may contain a dead end
+                check_no_dead_ends(str(grammar))
+            compiled = self._compiler.compile_grammar(grammar)
+        except RecursionError:  # RequestLimits bounds nesting; this is the last line of defence
+            raise ValueError(f"invalid structured_outputs.{kind}: it is nested too deeply") from None
         except (RuntimeError, TypeError, ValueError) as e:
             raise ValueError(f"invalid structured_outputs.{kind}: {_clean_error(e)}") from None
-        return XGrammarCompiled(compiled, self._stop_token_ids)
+        result = XGrammarCompiled(compiled, self._stop_token_ids)
+        # A grammar with no way to start (e.g. `root ::= a  a ::= root`) would leave the sampler no
+        # token at all; refuse it here instead.
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        result.new_matcher().fill_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise ValueError(f"invalid structured_outputs.{kind}: it matches no output at all")
+        return result
 
     def _valid_utf8_grammar(self, spec: StructuredOutputs, schema: dict | None) -> xgr.Grammar:
         """The spec's grammar, matching only valid UTF-8 (see ``valid_utf8``)."""

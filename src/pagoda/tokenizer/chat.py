@@ -39,6 +39,12 @@ def chat_template_text(tokenizer: PreTrainedTokenizerBase) -> str:
     return template
 
 
+def chat_roles(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """The message roles the chat template takes: ``tool`` when the template mentions tools.
+    ValueError if the tokenizer has no template."""
+    return (*_BASE_ROLES, "tool") if "tool" in chat_template_text(tokenizer) else _BASE_ROLES
+
+
 @functools.lru_cache(maxsize=16)
 def _variables(template: str) -> frozenset[str] | None:
     env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
@@ -142,9 +148,7 @@ def apply_chat_template(
     ``continue_final_message``, template variables such as ``enable_thinking``) go to
     ``tokenizer.apply_chat_template``; one the template never reads is a ValueError.
     """
-    template = chat_template_text(tokenizer)
-    roles = (*_BASE_ROLES, "tool") if "tool" in template else _BASE_ROLES
-    validate_messages(messages, roles)
+    validate_messages(messages, chat_roles(tokenizer))
     reserved = [k for k in (*_RESERVED_KWARGS, *_OWN_KWARGS) if k in kwargs]
     if reserved:
         raise ValueError(

@@ -37,7 +37,8 @@ class ParamError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields are refused, and values must have their JSON type ("2" is not an integer).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # ---- requests --------------------------------------------------------------------------------------

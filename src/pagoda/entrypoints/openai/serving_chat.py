@@ -13,6 +13,7 @@ from pagoda.engine.async_engine import RequestStream
 from pagoda.entrypoints.openai.chat_render import render_chat
 from pagoda.entrypoints.openai.chat_reply import ChoiceDelta, ReplyPlan, plan_reply
 from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.limits import check_body, constraint_field
 from pagoda.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -46,6 +47,7 @@ from pagoda.entrypoints.openai.serving_common import (
     unless_disconnected,
 )
 from pagoda.entrypoints.openai.tool_parsers import merge_calls
+from pagoda.limits import LimitError
 from pagoda.outputs import CompletionOutput
 
 
@@ -54,14 +56,22 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         body.check()
         model = state.resolve_model(body.model)
         max_tokens = body.max_tokens_requested()
+        check_body(state.limits, body, 1)
         params = body.sampling_params(state.engine.vocab_size, max_tokens, body.num_logprobs())
-    except ParamError as exc:
+        state.limits.check_params(params, constraint_field(body))
+    except (ParamError, LimitError) as exc:
+        raise param_error(exc, {"logprobs": "top_logprobs"}) from None
+    try:
+        state.limits.check_messages(body.messages, state.engine.max_model_len)  # before the template runs
+    except LimitError as exc:
         raise param_error(exc) from None
     rendered = render_chat(state.engine.tokenizer, state.chat, body.messages, body)
     prompt_ids = state.tokenize(rendered.prompt_ids, param="messages")
     try:
         plan = plan_reply(body, state.chat, prompt_state(rendered.tail), params.skip_special_tokens)
-    except ParamError as exc:
+        if plan.tools_constrain and plan.structured is not None:  # built from the request's tools
+            state.limits.check_structured(plan.structured, "tools")
+    except (ParamError, LimitError) as exc:
         raise param_error(exc) from None
     if plan.tools_constrain and params.min_tokens:
         raise APIError(
@@ -73,7 +83,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         skip_special_tokens=params.skip_special_tokens and plan.hidden is None,
     )
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    state.check_length(len(prompt_ids), params.max_tokens, param)
+    state.check_length(len(prompt_ids), params, param)
     request_id = new_id("chatcmpl")
     try:
         stream = await state.start(
