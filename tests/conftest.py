@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kernel_variants import variant_params
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.kernels import build
 
 TINY_DIMS = dict(
     hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=384
@@ -60,6 +62,14 @@ def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             **extra,
         )
     return dirs
+
+
+@pytest.fixture(params=variant_params())
+def variant(request: pytest.FixtureRequest):
+    """A CPU kernel variant: a test taking it runs once per variant this machine can execute, and
+    every kernel call in it goes to that variant (see tests/kernel_variants.py)."""
+    with build.use_variant(request.param):
+        yield request.param
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ Decodes run as one batched call: their blocks are gathered through the block tab
 run one sequence at a time; a prompt with no cached context attends to its own fresh K/V with
 `is_causal`, otherwise its context is gathered from the cache and masked bottom-right causally.
 Long bfloat16 prefills on CPUs without AMX run in float32 (see `pagoda.layers.precision`); bf16
-decodes on AVX512-BF16 CPUs run in a native kernel that reads the blocks in place
+decodes on x86-64 CPUs (AVX2 and up) run in a native kernel that reads the blocks in place
 (`pagoda.kernels.cpu_ops`).
 """
 

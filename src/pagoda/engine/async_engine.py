@@ -173,6 +173,10 @@ class AsyncLLM:
         return self.engine.vocab_size
 
     @property
+    def weight_format(self) -> str:
+        return self.engine.weight_format
+
+    @property
     def is_running(self) -> bool:
         return not self._closed
 

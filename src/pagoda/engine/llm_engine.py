@@ -37,6 +37,11 @@ class LLMEngine:
     def vocab_size(self) -> int:
         return self.core.runner.vocab_size
 
+    @property
+    def weight_format(self) -> str:
+        """What the weights are stored as, e.g. `GGUF MOSTLY_Q8_0: Q8_0 100%; 500.1 MiB of weights`."""
+        return self.core.runner.weight_format
+
     # ---- requests --------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict], **template_kwargs) -> list[int]:
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt=True, **template_kwargs)

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from pagoda.config import EngineArgs
 from pagoda.engine.input_processor import Prompt
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.kernels import build as cpu_kernels
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer.chat import apply_chat_template
@@ -20,7 +21,11 @@ class LLM:
     """An engine for offline batch inference. Keyword arguments are those of `EngineArgs`."""
 
     def __init__(self, model: str, **kwargs) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        engine_args = EngineArgs(model=model, **kwargs)
+        # Chooses (and on first use builds) the CPU kernel variant and logs it, or the reason for
+        # the PyTorch fallback; a bad PAGODA_CPU_ISA raises ValueError here.
+        cpu_kernels.available()
+        self.engine = LLMEngine(engine_args)
 
     @property
     def tokenizer(self):

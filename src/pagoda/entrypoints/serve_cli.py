@@ -17,6 +17,7 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # Flags that map one to one onto EngineArgs fields (the dest is the field name).
 _ENGINE_FIELDS = (
     "tokenizer",
+    "quantization",
     "dtype",
     "device",
     "seed",
@@ -132,14 +133,25 @@ def register(subparsers: Any) -> None:
 
 def _add_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model", nargs="?", default=None, help="Hugging Face model folder (default: the built-in demo model)"
+        "model",
+        nargs="?",
+        default=None,
+        help="Hugging Face model folder or .gguf file (default: the built-in demo model)",
     )
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     from_defaults = _engine_defaults()
     group = parser.add_argument_group("engine")
-    group.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL)")
+    group.add_argument(
+        "--tokenizer", default=None, help="tokenizer folder (default: MODEL, or a GGUF file's own tokenizer)"
+    )
+    group.add_argument(
+        "--quantization",
+        choices=("q8_0", "q4_0", "q4_k"),
+        default=None,
+        help="quantize a safetensors model's weights at load (default: keep them as stored)",
+    )
     group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default auto)")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     group.add_argument("--seed", type=int, default=from_defaults["seed"], help="engine random seed (0)")
@@ -343,8 +355,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         return _launch_replicas(args, model, config)
     from pagoda.entrypoints.openai.app import run_server
+    from pagoda.kernels import build as cpu_kernels
 
     try:
+        cpu_kernels.available()  # logs the CPU kernel variant, or why the PyTorch path is used
         return run_server(engine_args, config)
     except ValueError as exc:  # e.g. a model folder that does not load
         return _fail("serve", str(exc))

@@ -1,5 +1,5 @@
-"""bf16-weight linear layers for AVX-512 CPUs: a kernel compiled on first use, over weights
-repacked once at load time.
+"""bf16-weight linear layers for x86-64 CPUs (AVX2 and up): a kernel compiled on first use, over
+weights repacked once at load time.
 
 Without AMX, oneDNN's bf16 GEMM runs at about 60% of the speed of its fp32 GEMM (its `vdpbf16ps`
 issues at half the rate of fp32 multiply-adds), and its bf16 matrix-vector product reaches a
@@ -9,8 +9,9 @@ close to the fp32 peak, and a single decode stream runs close to memory bandwidt
 SwiGLU (`silu(gate) * up`) into the gate/up projection.
 
 `pack(weight, bias)` returns a `PackedWeight`; `linear(x, packed)` computes `x @ weight.T + bias`.
-Where the kernels cannot run (`pagoda.kernels.build.available()` is False) layers keep their
-weights unpacked and use `F.linear`.
+The packed layout is the same for every kernel variant (`pagoda.kernels.build`). Where the
+kernels cannot run (`pagoda.kernels.build.available()` is False) layers keep their weights
+unpacked and use `F.linear`.
 
 Benchmark: `python -m pagoda.kernels.cpu_gemm --bench`.
 """
@@ -18,7 +19,6 @@ Benchmark: `python -m pagoda.kernels.cpu_gemm --bench`.
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import math
 import statistics
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagoda.kernels.build import available, unavailable_reason
+from pagoda.kernels.build import available, ops, status
 
 PANEL = 32
 _PLAIN, _SWIGLU = 0, 1
@@ -65,9 +65,7 @@ class PackedWeight:
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False) -> PackedWeight:
     """Repack a bf16 `[N, K]` weight (and bias) for `linear`; with `swiglu`, N = 2 * outputs."""
     if not available():
-        raise RuntimeError(
-            f"CPU bf16 GEMM kernel unavailable: {unavailable_reason() or 'build failed (see log)'}"
-        )
+        raise RuntimeError(f"CPU bf16 GEMM kernel unavailable: {status().reason}")
     if weight.dim() != 2 or weight.dtype != torch.bfloat16 or not weight.is_cpu:
         raise ValueError(
             f"weight must be a 2-D bfloat16 CPU tensor, got {weight.dtype} {tuple(weight.shape)}"
@@ -77,7 +75,7 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = 
         raise ValueError(f"a gate/up weight needs an even number of rows, got {n}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-    data = torch.ops.pagoda_gemm.pack_weight(weight.detach(), swiglu)
+    data = ops().pack_weight(weight.detach(), swiglu)
     b = None if bias is None else bias.detach().float().contiguous()
     return PackedWeight(data, n // 2 if swiglu else n, k, swiglu, b)
 
@@ -85,7 +83,7 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = 
 def linear(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` (or silu(gate) * up for a swiglu weight) for x of shape `[..., K]`,
     bf16 or fp32; the result is bf16, or `out_dtype` (bf16 or fp32). Sums in fp32, rounds once."""
-    # Called ~100 times per decode step: checks stay cheap and the op handle is cached.
+    # Called ~100 times per decode step: checks stay cheap.
     if out_dtype is not None and out_dtype is not torch.bfloat16 and out_dtype is not torch.float32:
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
     if x.shape[-1] != packed.in_features:
@@ -93,18 +91,12 @@ def linear(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None 
     if x.requires_grad and torch.is_grad_enabled():
         raise ValueError("packed linear does not support autograd; call it under torch.no_grad()")
     out_fp32 = out_dtype is torch.float32
+    op = ops().packed_linear.default
     if x.dim() == 2:
-        return _packed_linear_op()(
-            x, packed.data, packed.out_features, packed.bias, packed.epilogue, out_fp32
-        )
+        return op(x, packed.data, packed.out_features, packed.bias, packed.epilogue, out_fp32)
     flat = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    out = _packed_linear_op()(flat, packed.data, packed.out_features, packed.bias, packed.epilogue, out_fp32)
+    out = op(flat, packed.data, packed.out_features, packed.bias, packed.epilogue, out_fp32)
     return out.reshape(*x.shape[:-1], packed.out_features)
-
-
-@functools.cache
-def _packed_linear_op():
-    return torch.ops.pagoda_gemm.packed_linear.default
 
 
 def _lanes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,8 +153,11 @@ def _median_time(fn: Callable[[], object], rounds: int) -> float:
 def bench(ms: list[int], rounds: int) -> None:
     """Kernel against torch's bf16 `F.linear` and fp32 `F.linear` on pre-converted weights."""
     if not available():
-        raise SystemExit(f"kernel unavailable: {unavailable_reason() or 'build failed (see log)'}")
-    print(f"threads={torch.get_num_threads()} rounds={rounds} (median; GF/s counts 2*M*N*K)")
+        raise SystemExit(f"kernel unavailable: {status().reason}")
+    print(
+        f"variant={status().variant} threads={torch.get_num_threads()} rounds={rounds} "
+        "(median; GF/s counts 2*M*N*K)"
+    )
     for m in ms:
         totals: dict[str, float] = {}
         for name, n, k, swiglu in QWEN25_05B_SHAPES:

@@ -7,17 +7,15 @@ kernels built); callers keep their PyTorch path for everything else.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from pagoda.kernels.build import available
+from pagoda.kernels.build import available, ops
 
 
-@functools.cache
 def _op(name: str):
-    """The registered op, looked up once (these run a few hundred times per decode step)."""
-    return getattr(torch.ops.pagoda_ops, name).default
+    """The op of the variant in use (these run a few hundred times per decode step; torch caches
+    the lookups)."""
+    return getattr(ops(), name).default
 
 
 def applies(*tensors: torch.Tensor) -> bool:

@@ -147,7 +147,12 @@ def create_app(state: ServerState) -> FastAPI:
     api = APIRouter(dependencies=[Depends(check_auth)], route_class=StrictJSONRoute)
 
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=state.model_path, max_model_len=state.engine.max_model_len)
+        return ModelCard(
+            id=name,
+            root=state.model_path,
+            max_model_len=state.engine.max_model_len,
+            format=state.engine.weight_format,
+        )
 
     @api.get("/v1/models")
     async def models() -> ModelList:

@@ -627,6 +627,7 @@ class ModelCard(BaseModel):
     owned_by: str = "pagoda"
     root: str | None = None
     max_model_len: int | None = None
+    format: str | None = None  # how the weights are stored (e.g. GGUF MOSTLY_Q4_K_M, quantized at load)
 
 
 class ModelList(BaseModel):

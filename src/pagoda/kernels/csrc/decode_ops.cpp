@@ -1,5 +1,5 @@
-// Small bf16 CPU ops on the decode path, where torch spends more time dispatching a dozen tiny
-// ops than computing: RMSNorm with the residual add fused, rotary embedding in place, and paged
+// Small bf16 CPU ops on the decode path (built per variant over vec.h), where torch spends more
+// time dispatching a dozen tiny ops than computing: RMSNorm with the residual add fused, rotary embedding in place, and paged
 // decode attention that reads K/V straight from the block tables (no gather, no mask tensor).
 //
 // Numerics: RMSNorm rounds exactly where transformers' bf16 RMSNorm rounds (the sum x + residual,
@@ -12,10 +12,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
-#include "vec_avx512.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -29,11 +28,6 @@ using namespace pagoda_vec;
 
 const uint16_t* u16(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>()); }
 uint16_t* u16_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); }
-
-// Rounds each lane to bf16 and back (the value torch would hold in a bf16 tensor).
-inline __m512 round_bf16(__m512 v) {
-  return widen_low(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)));
-}
 
 void check_bf16_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), name, " must be a bfloat16 CPU tensor");
@@ -67,23 +61,23 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const std::
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(H, 1)), [&](int64_t t0, int64_t t1) {
     std::vector<float> s(static_cast<size_t>(H));
     for (int64_t t = t0; t < t1; ++t) {
-      __m512 sq = _mm512_setzero_ps();
+      VecF sq = zero();
       for (int64_t i = 0; i < H; i += 16) {
-        const __mmask16 m = tail_mask(H - i);
-        __m512 v = load_bf16(xp + t * ldx + i, m);
+        const Mask m = tail_mask(H - i);
+        VecF v = load_bf16(xp + t * ldx + i, m);
         if (rp) {
-          v = round_bf16(_mm512_add_ps(v, load_bf16(rp + t * ldr + i, m)));
+          v = round_bf16(add(v, load_bf16(rp + t * ldr + i, m)));
           store_bf16(sp + t * H + i, v, m);
         }
-        _mm512_mask_storeu_ps(s.data() + i, m, v);
-        sq = _mm512_fmadd_ps(v, v, sq);
+        store(s.data() + i, v, m);
+        sq = fmadd(v, v, sq);
       }
-      const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(H) + static_cast<float>(eps));
-      const __m512 r = _mm512_set1_ps(scale);
+      const float scale = 1.0f / std::sqrt(reduce_add(sq) / static_cast<float>(H) + static_cast<float>(eps));
+      const VecF r = set1(scale);
       for (int64_t i = 0; i < H; i += 16) {
-        const __mmask16 m = tail_mask(H - i);
-        const __m512 normed = round_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s.data() + i), r));
-        store_bf16(op + t * H + i, _mm512_mul_ps(load_bf16(w + i, m), normed), m);
+        const Mask m = tail_mask(H - i);
+        const VecF normed = round_bf16(mul(load(s.data() + i, m), r));
+        store_bf16(op + t * H + i, mul(load_bf16(w + i, m), normed), m);
       }
     }
   });
@@ -112,11 +106,11 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
       const int64_t t = i / heads, h = i % heads;
       uint16_t* row = xp + t * ldt + h * ldh;
       for (int64_t d = 0; d < half; d += 16) {
-        const __mmask16 m = tail_mask(half - d);
-        const __m512 x1 = load_bf16(row + d, m), x2 = load_bf16(row + half + d, m);
-        const __m512 c = load_bf16(cp + t * ldc + d, m), s = load_bf16(sp + t * lds + d, m);
-        const __m512 r1 = _mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, c)), round_bf16(_mm512_mul_ps(x2, s)));
-        const __m512 r2 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c)), round_bf16(_mm512_mul_ps(x1, s)));
+        const Mask m = tail_mask(half - d);
+        const VecF x1 = load_bf16(row + d, m), x2 = load_bf16(row + half + d, m);
+        const VecF c = load_bf16(cp + t * ldc + d, m), s = load_bf16(sp + t * lds + d, m);
+        const VecF r1 = sub(round_bf16(mul(x1, c)), round_bf16(mul(x2, s)));
+        const VecF r2 = add(round_bf16(mul(x2, c)), round_bf16(mul(x1, s)));
         store_bf16(row + d, r1, m);
         store_bf16(row + half + d, r2, m);
       }
@@ -125,25 +119,6 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 }
 
 // ---- paged decode attention ------------------------------------------------------------------
-
-// Lane i of the result is the sum of the 16 lanes of v[i]: a transpose-and-add tree.
-inline __m512 sum16(const __m512 v[16]) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // 64-bit shuffles move pairs of sums; the adds stay fp32
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  // Each 128-bit lane of b[i] now holds, at position j, that lane's sum of v[4i + j]; add the
-  // four lanes of each b[i] together and place them as lanes 4i .. 4i + 3.
-  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
 
 constexpr int64_t kPrefetchAhead = 16;  // positions ahead whose K/V rows are prefetched
 
@@ -159,36 +134,57 @@ struct VRows {
   const uint16_t* row(int64_t t) const { return cache + offsets[t - start]; }
 };
 
+// The V pass takes up to kPassVecs vectors (16 dimensions each) of the head at once, with a tile
+// of heads_per_tile(C) query heads x C vectors of fp32 sums in registers beside the C values
+// and one weight.
+#if defined(PAGODA_AVX512)
+constexpr int kPassVecs = 8;
+constexpr int heads_per_tile(int c) { return c == 8 ? 2 : c >= 5 ? 3 : 24 / c; }
+#else
+constexpr int kPassVecs = 2;
+constexpr int heads_per_tile(int c) { return c == 1 ? 6 : 2; }
+#endif
+
 // out[g][d0, d0 + 16 C) = sum_t p[g][t] * v[t][d0, ...] / sums[g] for the G query heads of one KV
-// head (p: [G, len - start]), with a tile of heads x C vectors of fp32 sums in registers.
+// head (p: [G, len - start]).
 template <int C>
 void accumulate_v(const VRows& rows, int64_t d0, const float* p, const float* inv_sum, int64_t G, uint16_t* out) {
-  constexpr int GT = C == 8 ? 2 : C >= 5 ? 3 : 24 / C;  // GT * C sums + C values + 1 weight <= 32
+  constexpr int GT = heads_per_tile(C);
   const int64_t n = rows.len - rows.start;
+  Mask masks[C];
+  for (int c = 0; c < C; ++c) masks[c] = tail_mask(rows.D - d0 - c * 16);
   for (int64_t g0 = 0; g0 < G; g0 += GT) {
     const int64_t gt = std::min<int64_t>(GT, G - g0);
-    __m512 acc[GT][C];
+    VecF acc[GT][C];
     for (int g = 0; g < GT; ++g)
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) acc[g][c] = zero();
     for (int64_t t = rows.start; t < rows.len; ++t) {
       const uint16_t* v = rows.row(t) + d0;
       if (t + kPrefetchAhead < rows.len) prefetch_row(rows.row(t + kPrefetchAhead) + d0, 16 * C);
-      __m512 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load_bf16(v + c * 16, tail_mask(rows.D - d0 - c * 16));
+      VecF vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load_bf16(v + c * 16, masks[c]);
       for (int g = 0; g < GT; ++g) {
         if (g < gt) {
-          const __m512 w = _mm512_set1_ps(p[(g0 + g) * n + (t - rows.start)]);
-          for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+          const VecF w = set1(p[(g0 + g) * n + (t - rows.start)]);
+          for (int c = 0; c < C; ++c) acc[g][c] = fmadd(w, vv[c], acc[g][c]);
         }
       }
     }
     for (int g = 0; g < gt; ++g) {
-      const __m512 inv = _mm512_set1_ps(inv_sum[g0 + g]);
-      for (int c = 0; c < C; ++c)
-        store_bf16(out + (g0 + g) * rows.D + d0 + c * 16, _mm512_mul_ps(acc[g][c], inv),
-                   tail_mask(rows.D - d0 - c * 16));
+      const VecF inv = set1(inv_sum[g0 + g]);
+      for (int c = 0; c < C; ++c) store_bf16(out + (g0 + g) * rows.D + d0 + c * 16, mul(acc[g][c], inv), masks[c]);
     }
   }
+}
+
+// accumulate_v<c> for 1 <= c <= C.
+template <int C>
+void accumulate_pass(int c, const VRows& rows, int64_t d0, const float* p, const float* inv_sum, int64_t G,
+                     uint16_t* out) {
+  if constexpr (C > 1) {
+    if (c < C) return accumulate_pass<C - 1>(c, rows, d0, p, inv_sum, G, out);
+  }
+  accumulate_v<C>(rows, d0, p, inv_sum, G, out);
 }
 
 // q [B, H, D] (one new token per sequence), kv_cache [2, blocks, block_size, Hkv, D]; sequence b
@@ -230,7 +226,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t ldq = q.stride(0), ldh = q.stride(1);
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<__m512> qf(static_cast<size_t>(G * C));
+    std::vector<VecF> qf(static_cast<size_t>(G * C));
     std::vector<float> kf(static_cast<size_t>(16 * C * 16));
     std::vector<float> scores;
     std::vector<int64_t> offsets;
@@ -243,8 +239,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       const int32_t* table = tables + b * ldt;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t c = 0; c < C; ++c)
-          qf[g * C + c] = _mm512_mul_ps(load_bf16(qp + b * ldq + (h * G + g) * ldh + c * 16, tail_mask(D - c * 16)),
-                                        _mm512_set1_ps(fscale));
+          qf[g * C + c] = mul(load_bf16(qp + b * ldq + (h * G + g) * ldh + c * 16, tail_mask(D - c * 16)), set1(fscale));
       scores.resize(static_cast<size_t>(G * n));
       offsets.resize(static_cast<size_t>(n));
       for (int64_t t = start, j = start / bs, slot = start % bs; t < len; ++t) {  // no division per position
@@ -262,49 +257,41 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
         for (int64_t j = 0; j < 16; ++j) {
           const int64_t t = t0 + std::min(j, count - 1);  // pad with the last position
           const uint16_t* k = kc + offsets[t - start];
-          for (int64_t c = 0; c < C; ++c)
-            _mm512_storeu_ps(kf.data() + (j * C + c) * 16, load_bf16(k + c * 16, tail_mask(D - c * 16)));
+          for (int64_t c = 0; c < C; ++c) store(kf.data() + (j * C + c) * 16, load_bf16(k + c * 16, tail_mask(D - c * 16)));
         }
         for (int64_t g = 0; g < G; ++g) {
-          __m512 dots[16];
-          for (int j = 0; j < 16; ++j) dots[j] = _mm512_setzero_ps();
+          VecF dots[16];
+          for (int j = 0; j < 16; ++j) dots[j] = zero();
           for (int64_t c = 0; c < C; ++c) {
-            const __m512 qv = qf[g * C + c];
-            for (int j = 0; j < 16; ++j) dots[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf.data() + (j * C + c) * 16), dots[j]);
+            const VecF qv = qf[g * C + c];
+            for (int j = 0; j < 16; ++j) dots[j] = fmadd(qv, load(kf.data() + (j * C + c) * 16), dots[j]);
           }
-          _mm512_mask_storeu_ps(scores.data() + g * n + (t0 - start), tail_mask(count), sum16(dots));
+          store(scores.data() + g * n + (t0 - start), transpose_sum16(dots), tail_mask(count));
         }
       }
       // Softmax numerators in place; the division by their sum is applied to the output.
       for (int64_t g = 0; g < G; ++g) {
         float* s = scores.data() + g * n;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < n; t += 16) mx = _mm512_mask_max_ps(mx, tail_mask(n - t), mx, _mm512_loadu_ps(s + t));
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 sum = _mm512_setzero_ps();
+        VecF mx = set1(-INFINITY);
         for (int64_t t = 0; t < n; t += 16) {
-          const __mmask16 m = tail_mask(n - t);
-          const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), top));
-          _mm512_mask_storeu_ps(s + t, m, e);
-          sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+          const Mask m = tail_mask(n - t);
+          mx = select(m, max(mx, load(s + t, m)), mx);
         }
-        inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+        const VecF top = set1(reduce_max(mx));
+        VecF sum = zero();
+        for (int64_t t = 0; t < n; t += 16) {
+          const Mask m = tail_mask(n - t);
+          const VecF e = exp(sub(load(s + t, m), top));
+          store(s + t, e, m);
+          sum = add(sum, select(m, e, zero()));
+        }
+        inv_sum[g] = 1.0f / reduce_add(sum);
       }
       const VRows rows{vc, offsets.data(), D, start, len};
       uint16_t* o = op + (b * H + h * G) * D;
-      // Up to 128 dimensions (8 vectors) per pass.
-      for (int64_t d0 = 0; d0 < D; d0 += 128) {
-        const float* sp = scores.data();
-        switch (std::min<int64_t>(8, (D - d0 + 15) / 16)) {
-          case 1: accumulate_v<1>(rows, d0, sp, inv_sum.data(), G, o); break;
-          case 2: accumulate_v<2>(rows, d0, sp, inv_sum.data(), G, o); break;
-          case 3: accumulate_v<3>(rows, d0, sp, inv_sum.data(), G, o); break;
-          case 4: accumulate_v<4>(rows, d0, sp, inv_sum.data(), G, o); break;
-          case 5: accumulate_v<5>(rows, d0, sp, inv_sum.data(), G, o); break;
-          case 6: accumulate_v<6>(rows, d0, sp, inv_sum.data(), G, o); break;
-          case 7: accumulate_v<7>(rows, d0, sp, inv_sum.data(), G, o); break;
-          default: accumulate_v<8>(rows, d0, sp, inv_sum.data(), G, o); break;
-        }
+      for (int64_t d0 = 0; d0 < D; d0 += 16 * kPassVecs) {
+        const int c = static_cast<int>(std::min<int64_t>(kPassVecs, (D - d0 + 15) / 16));
+        accumulate_pass<kPassVecs>(c, rows, d0, scores.data(), inv_sum.data(), G, o);
       }
     }
   });
@@ -313,7 +300,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 }  // namespace
 
-TORCH_LIBRARY(pagoda_ops, m) {
+PAGODA_LIBRARY_FRAGMENT(m) {
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def(

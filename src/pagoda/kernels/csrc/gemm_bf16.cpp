@@ -1,17 +1,22 @@
-// bf16-weight linear for CPUs with AVX-512 but no AMX: y[M, N] = x[M, K] @ w[N, K]^T (+ bias).
+// bf16-weight linear for x86-64 CPUs: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), built once per
+// instruction-set variant over the vector layer in vec.h.
 //
 // The weight is repacked once into panels of 32 output columns, [ceil(N / 32)][K][32] bf16, with
 // the two halves of a panel interleaved: 32-bit lane i of a panel row holds column i in its low
-// 16 bits and column 16 + i in its high 16 bits. One 64-byte load then widens to two fp32
-// vectors with one shift and one mask, and every multiply-add runs in fp32 (vfmadd231ps), the
-// fastest arithmetic these CPUs have for bf16 data (vdpbf16ps runs at half its rate).
+// 16 bits and column 16 + i in its high 16 bits. One 64-byte load (one AVX-512 register or two
+// AVX2 registers) then widens to two fp32 vectors with one shift and one mask, and every
+// multiply-add runs in fp32 (vfmadd231ps), the fastest arithmetic these CPUs have for bf16 data
+// (vdpbf16ps runs at half its rate; without AMX nothing is faster). The layout is the same for
+// every variant, so a weight packed by one runs on any other.
 //
 // The micro-kernel keeps an MR x (NP * 32) tile of fp32 sums in registers for the whole K
 // loop and broadcasts one fp32 value of x per row and k (bf16 rows are widened once per task
 // into a thread-local buffer). Few rows (decode) stream NP panels at once, bound by memory
 // bandwidth; many rows (prefill) are bound by the multiply-adds, and work is split into
 // (group of rows that fits in L2) x (chunk of panels) tasks so that each panel, once read, is
-// reused from cache by every block of MR rows in the group.
+// reused from cache by every block of MR rows in the group. Every output is summed over k in
+// order, whatever the tile, the thread count or the variant: results are equal bit for bit
+// across all of them (up to the bf16 store, see vec.h).
 //
 // Epilogues: plain (+ bias), or SwiGLU, for a gate/up weight packed with `swiglu`: panel j then
 // holds gate columns 16j..16j+15 in its low halves and the matching up columns in its high
@@ -22,10 +27,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
-#include "vec_avx512.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <array>
@@ -38,8 +42,20 @@ namespace {
 
 using namespace pagoda_vec;
 
-constexpr int kPanel = 32;    // output columns per panel
-constexpr int kMaxMR = 14;    // rows per micro-tile: 2 * 14 accumulators + 2 weight registers
+constexpr int kPanel = 32;  // output columns per panel
+// Rows per micro-tile and panels streamed at once for MR rows: 2 * MR * NP accumulators plus
+// the widened weights fit in the register file (32 vectors of 16 lanes on AVX-512, 8 on AVX2).
+// Up to kAheadRows rows prefetch the panel rows they are about to read into L1; more rows reuse
+// each panel from cache and prefetch the next panels into L2 instead.
+#if defined(PAGODA_AVX512)
+constexpr int kMaxMR = 14;
+constexpr int np_for(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 3 : mr <= 6 ? 2 : 1; }
+constexpr int kAheadRows = 4;
+#else
+constexpr int kMaxMR = 3;
+constexpr int np_for(int mr) { return mr == 1 ? 3 : 1; }
+constexpr int kAheadRows = 1;
+#endif
 // Rows of x whose fp32 copy share one pass over the weight: all rows of a decode batch (the
 // weight is then read from memory once); otherwise as many as fit in 128 KB, which measured
 // fastest for prefill (2048 rows: 7% faster than 1 MB groups).
@@ -91,12 +107,6 @@ at::Tensor pack_weight(const at::Tensor& w, bool swiglu) {
 
 // ---- micro-kernel ----------------------------------------------------------------------------
 
-// silu(g) * u = g / (1 + exp(-g)) * u.
-inline __m512 silu_mul(__m512 gate, __m512 up) {
-  const __m512 denom = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
-  return _mm512_mul_ps(_mm512_div_ps(gate, denom), up);
-}
-
 struct Out {
   void* y;             // [M, ldy] bf16 or fp32
   int64_t ldy;
@@ -107,67 +117,67 @@ struct Out {
 };
 
 // Columns col .. col + 15 of `row` (those below n_valid), already biased.
-inline void store16(const Out& o, int64_t row, int64_t col, __m512 v) {
+inline void store16(const Out& o, int64_t row, int64_t col, VecF v) {
   const int64_t left = o.n_valid - col;
   if (left <= 0) return;
-  const __mmask16 mask = tail_mask(left);
   if (o.fp32) {
-    _mm512_mask_storeu_ps(static_cast<float*>(o.y) + row * o.ldy + col, mask, v);
+    float* dst = static_cast<float*>(o.y) + row * o.ldy + col;
+    left >= 16 ? store(dst, v) : store(dst, v, tail_mask(left));
   } else {
-    store_bf16(static_cast<uint16_t*>(o.y) + row * o.ldy + col, v, mask);
+    uint16_t* dst = static_cast<uint16_t*>(o.y) + row * o.ldy + col;
+    left >= 16 ? store_bf16(dst, v) : store_bf16(dst, v, tail_mask(left));
   }
 }
+
+inline VecF load_bias(const float* b, int64_t left) { return left >= 16 ? load(b) : load(b, tail_mask(left)); }
 
 // Rows [0, MR) of x (fp32, row stride ldx) times panels panel0 .. panel0 + NP of w (panel
 // stride K * 32); `next` is where the following panels start, prefetched into L2 on the way.
 template <int MR, int NP>
 void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t K, const Out& o, int64_t row0, int64_t panel0,
            const uint16_t* next) {
-  __m512 acc[MR][2 * NP];
+  VecF acc[MR][2 * NP];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
-    for (int j = 0; j < 2 * NP; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < 2 * NP; ++j) acc[m][j] = zero();
   const int64_t pstride = K * kPanel;
   for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[2 * NP];
+    VecF wv[2 * NP];
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
       const uint16_t* src = w + p * pstride + k * kPanel;
-      const __m512i v = _mm512_loadu_si512(src);
-      if (MR <= 4) {
+      if (MR <= kAheadRows) {
         _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchRows * kPanel), _MM_HINT_T0);
       } else if (next) {
         _mm_prefetch(reinterpret_cast<const char*>(next + p * pstride + k * kPanel), _MM_HINT_T1);
       }
-      wv[2 * p] = widen_low(v);
-      wv[2 * p + 1] = widen_high(v);
+      load_bf16_pairs(src, wv[2 * p], wv[2 * p + 1]);
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
-      const __m512 a = _mm512_set1_ps(x[m * ldx + k]);
+      const VecF a = set1(x[m * ldx + k]);
 #pragma GCC unroll 8
-      for (int j = 0; j < 2 * NP; ++j) acc[m][j] = _mm512_fmadd_ps(a, wv[j], acc[m][j]);
+      for (int j = 0; j < 2 * NP; ++j) acc[m][j] = fmadd(a, wv[j], acc[m][j]);
     }
   }
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m) {
 #pragma GCC unroll 8
     for (int p = 0; p < NP; ++p) {
-      __m512 lo = acc[m][2 * p], hi = acc[m][2 * p + 1];
+      VecF lo = acc[m][2 * p], hi = acc[m][2 * p + 1];
       if (o.epilogue == kSwiGLU) {
         const int64_t col = (panel0 + p) * 16;
         if (o.bias) {
-          const __mmask16 mask = tail_mask(o.n_valid - col);
-          lo = _mm512_add_ps(lo, _mm512_maskz_loadu_ps(mask, o.bias + col));
-          hi = _mm512_add_ps(hi, _mm512_maskz_loadu_ps(mask, o.bias + o.n_valid + col));
+          lo = add(lo, load_bias(o.bias + col, o.n_valid - col));
+          hi = add(hi, load_bias(o.bias + o.n_valid + col, o.n_valid - col));
         }
         store16(o, row0 + m, col, silu_mul(lo, hi));
       } else {
         const int64_t col = (panel0 + p) * kPanel;
         if (o.bias) {
-          lo = _mm512_add_ps(lo, _mm512_maskz_loadu_ps(tail_mask(o.n_valid - col), o.bias + col));
-          hi = _mm512_add_ps(hi, _mm512_maskz_loadu_ps(tail_mask(o.n_valid - col - 16), o.bias + col + 16));
+          lo = add(lo, load_bias(o.bias + col, o.n_valid - col));
+          hi = add(hi, load_bias(o.bias + col + 16, o.n_valid - col - 16));
         }
         store16(o, row0 + m, col, lo);
         store16(o, row0 + m, col + 16, hi);
@@ -180,9 +190,8 @@ void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t K, const Out&
 template <int MR>
 void block_panels(const float* x, int64_t ldx, const uint16_t* w, int64_t K, const Out& o, int64_t row0, int64_t p0,
                   int64_t p1, int64_t last) {
-  // Few rows are bound by reading the weight: stream several panels at once. Register budget:
-  // 2 * MR * NP accumulators + 2 * NP widened weights <= 32.
-  constexpr int NP = MR == 1 ? 4 : MR == 2 ? 4 : MR <= 4 ? 3 : MR <= 6 ? 2 : 1;
+  // Few rows are bound by reading the weight: stream several panels at once.
+  constexpr int NP = np_for(MR);
   const int64_t pstride = K * kPanel;
   int64_t p = p0;
   for (; p + NP <= p1; p += NP) {
@@ -217,9 +226,11 @@ std::vector<std::pair<int64_t, int>> row_blocks(int64_t M) {
 // One bf16 row of x widened to fp32.
 inline void widen_row(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
-    _mm512_mask_storeu_ps(dst + i, m, load_bf16(s + i, m));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store(dst + i, load_bf16(s + i));
+  if (i < n) {
+    const Mask m = tail_mask(n - i);
+    store(dst + i, load_bf16(s + i, m), m);
   }
 }
 
@@ -320,7 +331,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 
 }  // namespace
 
-TORCH_LIBRARY(pagoda_gemm, m) {
+PAGODA_LIBRARY_FRAGMENT(m) {
   m.def("pack_weight(Tensor w, bool swiglu) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, int epilogue, bool out_fp32) -> Tensor");
   m.impl("pack_weight", c10::DispatchKey::CPU, TORCH_FN(pack_weight));
