@@ -14,6 +14,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from pagoda.cli_args import add_arguments, arg, values_from
+
 WORKLOADS = ("batch", "single", "prefill", "shared-prefix", "multi-turn", "structured")
 # Qwen2.5-0.5B's shape: the default model when none is given (random weights).
 DEFAULT_SHAPE = dict(
@@ -57,34 +59,61 @@ BENCH_SCHEMA = {
 }
 
 
+@dataclass(frozen=True)
+class OfflineArgs:
+    """The flags of `bench offline` beyond the engine's (OFFLINE_ENGINE_FLAGS)."""
+
+    model: str | None = arg(
+        None, help="HF model folder", default_text="random weights with Qwen2.5-0.5B's shape"
+    )
+    workload: str = arg("batch", help="what to run", choices=WORKLOADS)
+    num_prompts: int | None = arg(
+        None, help="requests (conversations for multi-turn)", default_text="the workload's"
+    )
+    input_len: int | None = arg(
+        None, help="prompt tokens (the question, for shared-prefix)", default_text="the workload's"
+    )
+    output_len: int | None = arg(None, help="generated tokens per request", default_text="the workload's")
+    prefix_len: int = arg(1024, help="shared system prompt tokens (shared-prefix)")
+    num_turns: int = arg(4, help="turns per conversation (multi-turn)")
+    vocab_size: int = arg(151936, help="vocabulary of the default random model")
+    threads: int | None = arg(None, help="torch threads", default_text="torch's choice")
+    baseline: bool = arg(
+        True, help="batch, single, prefill: also run transformers `generate` on the same prompts"
+    )
+    seed: int = arg(0, help="seed of the prompts and of the engine")
+    result_file: str | None = arg(None, help="write the figures as JSON here")
+
+
+# EngineArgs fields the benchmark passes on to the engine, with the benchmark's defaults. The
+# baseline runs transformers in the same dtype, so the dtype must name one.
+OFFLINE_ENGINE_FLAGS = (
+    "dtype",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "kv_cache_memory_gb",
+    "jump_forward_max_running",
+)
+OFFLINE_ENGINE_DEFAULTS = {"dtype": "bfloat16", "kv_cache_memory_gb": 2.0}
+
+
 def register(subparsers) -> None:
+    from pagoda.config import EngineArgs
+
     p = subparsers.add_parser(
         "offline",
         help="in-process engine benchmark against a baseline in the same run",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="HF model folder (default: random weights with Qwen2.5-0.5B's shape)")
-    p.add_argument("--workload", choices=WORKLOADS, default="batch")
-    p.add_argument("--num-prompts", type=int, help="requests (conversations for multi-turn)")
-    p.add_argument("--input-len", type=int, help="prompt tokens (the question, for shared-prefix)")
-    p.add_argument("--output-len", type=int, help="generated tokens per request")
-    p.add_argument("--prefix-len", type=int, default=1024, help="shared system prompt tokens (shared-prefix)")
-    p.add_argument("--num-turns", type=int, default=4, help="turns per conversation (multi-turn)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
-    p.add_argument("--vocab-size", type=int, default=151936, help="vocabulary of the default random model")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    p.add_argument(
-        "--jump-forward-max-running",
-        type=int,
-        help="structured: draft only while at most this many requests run (default: the engine's)",
+    add_arguments(p, OfflineArgs)
+    add_arguments(
+        p.add_argument_group("engine"),
+        EngineArgs,
+        include=OFFLINE_ENGINE_FLAGS,
+        defaults=OFFLINE_ENGINE_DEFAULTS,
+        choices={"dtype": ("bfloat16", "float32", "float16")},
     )
-    p.add_argument("--no-baseline", action="store_true", help="skip the baseline run")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result-file", help="write the figures as JSON here")
     p.set_defaults(func=run)
 
 
@@ -143,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompts = _random_prompts(tokenizer, n, input_len, args.seed)
         results.append(_run_pagoda(args, model, prompts, output_len))
-        if not args.no_baseline:
+        if args.baseline:
             results.append(_run_transformers(model, args.dtype, prompts, output_len))
     _report(args, results)
     return 0
@@ -173,19 +202,10 @@ def _engine(args, model: str, caching: bool = True, jump_forward: bool = True):
     from pagoda.config import EngineArgs
     from pagoda.engine.llm_engine import LLMEngine
 
-    return LLMEngine(
-        EngineArgs(
-            model=model,
-            dtype=args.dtype,
-            seed=args.seed,
-            enable_prefix_caching=caching,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            kv_cache_memory_gb=args.kv_cache_memory_gb,
-            enable_jump_forward=jump_forward,
-            jump_forward_max_running=args.jump_forward_max_running,
-        )
+    values = values_from(
+        EngineArgs, args, model=model, enable_prefix_caching=caching, enable_jump_forward=jump_forward
     )
+    return LLMEngine(EngineArgs(**values))
 
 
 def _warmup(engine) -> None:

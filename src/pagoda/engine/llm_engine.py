@@ -9,8 +9,9 @@ from concurrent.futures import Future
 
 from pagoda.config import EngineArgs
 from pagoda.engine.core import EngineCore
-from pagoda.engine.input_processor import Prompt, tokenize_prompt
+from pagoda.engine.input_processor import Prompt, resolve_max_tokens, tokenize_prompt
 from pagoda.engine.output_processor import OutputProcessor, RequestGroup, _Completion
+from pagoda.engine.resolve import resolve_engine_config
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams, StructuredOutputs
@@ -20,9 +21,10 @@ from pagoda.tokenizer import OutputTextState, apply_chat_template, eos_token_ids
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
-        self.args = args
-        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
-        self.core = EngineCore(args)
+        self.args = args  # as the user gave them
+        self.config = resolve_engine_config(args)  # what the engine runs with
+        self.tokenizer = load_tokenizer(self.config.tokenizer)
+        self.core = EngineCore(self.config)
         self.eos_token_ids = eos_token_ids(self.tokenizer, args.model)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -30,7 +32,7 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.core.max_model_len
+        return self.config.max_model_len
 
     @property
     def vocab_size(self) -> int:
@@ -59,13 +61,11 @@ class LLMEngine:
         if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, prompt_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
+        max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, self.max_model_len)
         if params.structured_outputs is not None:
             if params.min_tokens:
                 raise ValueError("min_tokens cannot be combined with structured_outputs")
             grammar = grammar or self.compile_grammar(params.structured_outputs).result()
-        params = dataclasses.replace(params, _eos_token_ids=self.eos_token_ids)
-        room = self.max_model_len - len(prompt_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         children: list[Request] = []
         for i, cid in enumerate(child_ids):
@@ -78,6 +78,7 @@ class LLMEngine:
                     prompt_ids,
                     child_params,
                     max_tokens=max_tokens,
+                    eos_token_ids=self.eos_token_ids,
                     cache_salt=cache_salt,
                     fork_source=children[0] if i > 0 else None,
                 )

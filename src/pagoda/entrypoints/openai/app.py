@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 import signal
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
@@ -29,44 +27,13 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion
 from pagoda.entrypoints.openai.serving_common import ServerState
 from pagoda.entrypoints.openai.serving_completions import create_completion
+from pagoda.entrypoints.server_args import ServerArgs
 from pagoda.tokenizer import apply_chat_template
 
 logger = logging.getLogger("pagoda.server")
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # None: PAGODA_API_KEY if set, else no auth
-    served_model_name: str | None = None  # defaults to the model folder as given
-    max_waiting_requests: int | None = None
-    shutdown_timeout_s: float = 30.0  # how long in-flight requests may run on after SIGINT/SIGTERM
-    log_level: str = "info"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be an integer in [0, 65535], got {self.port!r}")
-        if self.max_waiting_requests is not None and (
-            not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < 1
-        ):
-            raise ValueError(
-                f"max_waiting_requests must be an integer >= 1, got {self.max_waiting_requests!r}"
-            )
-        if not self.shutdown_timeout_s >= 0:
-            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ValueError("served_model_name must not be empty")
-        if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
-            raise ValueError(f"unknown log level {self.log_level!r}")
-
-    def resolved_api_key(self) -> str | None:
-        return self.api_key or os.environ.get("PAGODA_API_KEY") or None
-
-
-def build_state(engine: LLMEngine, config: ServerConfig) -> ServerState:
+def build_state(engine: LLMEngine, config: ServerArgs) -> ServerState:
     """Start the engine thread with Prometheus metrics attached."""
     name = config.served_model_name or engine.args.model
     metrics = ServerMetrics(name)
@@ -160,7 +127,7 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
+def run_server(engine_args: EngineArgs, config: ServerArgs) -> int:
     """Load the model, serve until SIGINT/SIGTERM, then finish or abort in-flight requests. Returns 0."""
     import uvicorn
 
@@ -173,7 +140,7 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
             host=config.host,
             port=config.port,
             log_level=config.log_level,
-            timeout_graceful_shutdown=config.shutdown_timeout_s,
+            timeout_graceful_shutdown=config.shutdown_timeout,
             access_log=False,
         )
     )

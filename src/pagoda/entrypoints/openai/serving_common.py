@@ -15,7 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagoda.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
-from pagoda.engine.input_processor import tokenize_prompt
+from pagoda.engine.input_processor import ContextLengthError, resolve_max_tokens, tokenize_prompt
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda.entrypoints.openai.protocol import ParamError, PromptTokensDetails, Usage
@@ -54,15 +54,12 @@ class ServerState:
         return ids
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str = "max_tokens") -> None:
-        """The prompt plus max_tokens must fit the context: never truncated silently (as in vLLM)."""
-        limit = self.engine.max_model_len
-        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-            raise APIError(
-                f"this model's maximum context length is {limit} tokens, but {num_prompt_tokens + max_tokens} "
-                f"were requested ({num_prompt_tokens} in the prompt, {max_tokens} to generate); "
-                f"shorten the prompt or lower {param}",
-                param=param,
-            )
+        """The prompt plus max_tokens must fit the context: the engine's policy, checked here too
+        so that the error names the field this client sent."""
+        try:
+            resolve_max_tokens(num_prompt_tokens, max_tokens, self.engine.max_model_len, param)
+        except ContextLengthError as exc:
+            raise APIError(str(exc), param=exc.param) from None
 
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

@@ -1,0 +1,93 @@
+"""EngineArgs plus what the model's config.json and the memory budget say → the frozen EngineConfig.
+
+Every derived value (dtype, device, context length, KV block count, jump-forward limit) is worked
+out here, once, before anything is loaded; the components only read their part of the result.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagoda.config import (
+    CacheConfig,
+    EngineArgs,
+    EngineConfig,
+    ModelConfig,
+    StructuredOutputConfig,
+)
+from pagoda.models.config import ModelArchConfig
+from pagoda.models.hf_config import parse_hf_config, read_hf_config
+
+logger = logging.getLogger(__name__)
+
+# Measured on a 2-core CPU (random-weight model, 7-field JSON schema): jump-forward made one
+# stream 3.9x faster, 8 streams 6% slower and 32 streams 22% slower than plain decoding.
+CPU_JUMP_FORWARD_MAX_RUNNING = 4
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_engine_config(args: EngineArgs) -> EngineConfig:
+    """Raises ValueError naming the problem (a model folder that does not parse, a context
+    length beyond the model's)."""
+    hf = read_hf_config(args.model)
+    _, arch = parse_hf_config(hf)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, hf)
+    num_blocks = args.num_kv_blocks or max(
+        1, int(args.kv_cache_memory_gb * 2**30) // kv_bytes_per_block(arch, args.block_size, dtype)
+    )
+    max_model_len = args.max_model_len or arch.max_position_embeddings
+    if max_model_len > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{arch.max_position_embeddings}"
+        )
+    capacity = num_blocks * args.block_size
+    if max_model_len > capacity:
+        logger.warning("max_model_len %d lowered to %d, what the KV pool holds", max_model_len, capacity)
+        max_model_len = capacity
+    jump_forward_limit = args.jump_forward_max_running or (
+        CPU_JUMP_FORWARD_MAX_RUNNING if device.type == "cpu" else None
+    )
+    return EngineConfig(
+        model=ModelConfig(path=args.model, dtype=dtype, device=device, seed=args.seed),
+        cache=CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching),
+        scheduler=args.scheduler_config(max_model_len),
+        structured=StructuredOutputConfig(args.enable_jump_forward, jump_forward_limit),
+        tokenizer=args.tokenizer or args.model,
+    )
+
+
+def kv_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Keys and values of `block_size` tokens in every layer."""
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+
+
+def resolve_dtype(dtype: str, hf_config: dict) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype (float32 if it names none)."""
+    if dtype == "auto":
+        name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+        return _DTYPES.get(name, torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {device!r}: {e}") from None
