@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 
@@ -22,6 +22,7 @@ class Toy:
     tags: list[str] = arg(default_factory=list, help="a tag (repeatable)")
     sizes: list[int] = arg(default_factory=list, nargs="+", help="sizes")
     share: float = arg(0.5, help="fraction (50%)")
+    options: dict[str, Any] | None = arg(None, help="a JSON object")
     unflagged: int = 7  # not declared with arg(): no flag
 
 
@@ -42,11 +43,12 @@ def test_names_types_and_defaults() -> None:
         "tags": [],
         "sizes": [],
         "share": 0.5,
+        "options": None,
     }
     argv = ["--name", "y", "--count", "5", "--ratio", "0.25", "--mode", "slow", "--verbose"]
-    argv += ["--tags", "a", "--tags", "b", "--sizes", "1", "2", "--share", "1"]
+    argv += ["--tags", "a", "--tags", "b", "--sizes", "1", "2", "--share", "1", "--options", '{"k": [1]}']
     toy = Toy(**values_from(Toy, parser().parse_args(argv)))
-    assert toy == Toy("y", 5, 0.25, "slow", True, ["a", "b"], [1, 2], 1.0)
+    assert toy == Toy("y", 5, 0.25, "slow", True, ["a", "b"], [1, 2], 1.0, {"k": [1]})
     assert not hasattr(parser().parse_args(["--name", "z"]), "unflagged")
 
 
@@ -64,6 +66,8 @@ def test_parsing_twice_does_not_share_a_default_list() -> None:
         (["--name", "x", "--mode", "medium"], "--mode"),
         (["--name", "x", "--sizes", "1", "x"], "--sizes"),
         (["--name", "x", "--ratio", "half"], "--ratio"),
+        (["--name", "x", "--options", "[1]"], "--options"),
+        (["--name", "x", "--options", "{bad"], "--options"),
     ],
 )
 def test_bad_values_are_argparse_errors_naming_the_flag(
@@ -103,7 +107,7 @@ def test_include_exclude_and_per_command_overrides() -> None:
 
 
 def test_to_argv_parses_back_to_the_same_values() -> None:
-    toy = Toy("n", 4, 0.75, "slow", True, ["a", "b c"], [5, 6], 0.1)
+    toy = Toy("n", 4, 0.75, "slow", True, ["a", "b c"], [5, 6], 0.1, {"x": {"y": "z w"}})
     values = dataclasses.asdict(toy)
     assert Toy(**values_from(Toy, parser().parse_args(to_argv(Toy, values)))) == toy
     off = Toy("n", verbose=False)

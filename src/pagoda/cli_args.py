@@ -3,7 +3,7 @@
 A field declared with `arg(default, help=...)` becomes the flag `--field-name` (underscores become
 dashes). Its type comes from the annotation: `int`, `float` and `str` parse as such, `bool` gives
 `--x / --no-x`, `Literal[...]` gives choices, `X | None` parses as X, `list[X]` repeats (action
-"append", or `nargs`). The help text comes from the metadata and the default from the field, shown
+"append", or `nargs`), `dict[...]` takes a JSON object. The help text comes from the metadata and the default from the field, shown
 as "(default: ...)" (`default_text` says it in words where the default is None or computed). A
 field without a default is a required flag. Validation of the values stays in the dataclass's
 `__post_init__`; argparse only rejects what does not parse (naming the flag).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -119,6 +120,8 @@ def to_argv(cls: type, values: Mapping[str, Any]) -> list[str]:
             else:
                 for item in items:
                     argv += [flag, item]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
         else:
             argv += [flag, str(value)]
     return argv
@@ -148,6 +151,8 @@ def _argparse_kwargs(
     if choices:
         kwargs["choices"] = tuple(choices)
         base = type(choices[0])
+    if typing.get_origin(base) is dict or base is dict:
+        base = _json_object
     kwargs["type"] = spec.type or base
     if spec.metavar is not None:
         kwargs["metavar"] = spec.metavar
@@ -193,6 +198,16 @@ def _list_item_type(hint: Any) -> Any:
     if typing.get_origin(hint) in (list, tuple):
         return typing.get_args(hint)[0]
     return None
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 class _BooleanFlag(argparse.BooleanOptionalAction):

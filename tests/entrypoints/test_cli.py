@@ -251,6 +251,20 @@ def test_generate_streams_the_completion(capsys: pytest.CaptureFixture[str], tin
     assert capsys.readouterr().out == _greedy_text(tiny_llama_dir, "Hello world", 9) + "\n"
 
 
+def test_in_the_terminal_max_tokens_is_bounded_by_the_context(
+    capsys: pytest.CaptureFixture[str], tiny_llama_dir: str
+) -> None:
+    argv = ["generate", tiny_llama_dir, "Hello world", "--max-tokens", "100", "--temperature", "0"]
+    assert main([*argv, "--max-model-len", "16", *SMALL]) == 0
+    engine = LLMEngine(EngineArgs(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, max_model_len=16))
+    engine.add_request(None, "Hello world", SamplingParams(temperature=0.0, max_tokens=None))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    assert final.finished and final.outputs[0].finish_reason == "length"
+    assert capsys.readouterr().out == final.outputs[0].text + "\n"
+
+
 def test_without_a_model_the_demo_model_is_used(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tiny_llama_dir: str
 ) -> None:

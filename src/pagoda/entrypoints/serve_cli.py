@@ -23,7 +23,7 @@ _ROUTER_OWNED = ("host", "port", "api_key", "replicas")
 class SamplingArgs:
     """The sampling flags of `pagoda generate` and `pagoda chat` (mapped onto SamplingParams)."""
 
-    max_tokens: int = arg(128, help="tokens to generate at most")
+    max_tokens: int = arg(128, help="tokens to generate at most (fewer where the context ends)")
     temperature: float = arg(0.8, help="0 for greedy")
     top_p: float = arg(0.95, help="nucleus sampling mass")
     top_k: int = arg(0, help="keep the k most likely tokens; 0: all")
@@ -154,7 +154,7 @@ def _launch_replicas(engine_args: EngineArgs, config: ServerArgs) -> int:
     api_key = config.resolved_api_key()
     try:
         return launch_replicas(
-            [engine_args.model, *replica_flags(engine_args, config)],
+            [engine_args.model, *_replica_flags(engine_args, config)],
             replicas=config.replicas,
             base_port=config.port + 1,
             router_host=config.host,
@@ -166,7 +166,7 @@ def _launch_replicas(engine_args: EngineArgs, config: ServerArgs) -> int:
         return _fail("serve", str(exc))
 
 
-def replica_flags(engine_args: EngineArgs, config: ServerArgs) -> list[str]:
+def _replica_flags(engine_args: EngineArgs, config: ServerArgs) -> list[str]:
     """`pagoda serve` flags that give each replica this command's engine and server settings,
     but for those the router owns."""
     server = {name: v for name, v in dataclasses.asdict(config).items() if name not in _ROUTER_OWNED}
@@ -187,7 +187,13 @@ def _load_engine(command: str, args: argparse.Namespace):
 
 
 def _stream_reply(engine, prompt, params) -> str:
-    """Generate for one prompt, printing the text as it comes; returns the whole text. Ctrl-C aborts."""
+    """Generate for one prompt, printing the text as it comes; returns the whole text. Ctrl-C aborts.
+    In the terminal --max-tokens is a bound: a reply also ends where the context is full (LLM and
+    the server reject a max_tokens beyond the context instead)."""
+    num_prompt = len(prompt) if isinstance(prompt, list) else len(engine.tokenizer(prompt)["input_ids"])
+    room = engine.max_model_len - num_prompt
+    if 0 < room < params.max_tokens:
+        params = dataclasses.replace(params, max_tokens=room)
     request_id = engine.add_request(None, prompt, params, stream=True)
     pieces: list[str] = []
     try:
