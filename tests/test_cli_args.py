@@ -96,6 +96,8 @@ def test_include_exclude_and_per_command_overrides() -> None:
     ns = p.parse_args(["--name", "x"])
     assert vars(ns) == {"name": "x", "count": 9}
     assert {a.dest: a.help for a in p._actions}["count"] == "how many (default: 9)"
+    helps = {a.dest: a.help for a in parser(defaults={"ratio": 0.3})._actions}
+    assert helps["ratio"] == "a ratio (default: 0.3)"  # the command's default, not the field's words
     p = parser(choices={"mode": ("slow",)})
     assert p.parse_args(["--name", "x", "--mode", "slow"]).mode == "slow"
     with pytest.raises(argparse.ArgumentError, match="--mode"):

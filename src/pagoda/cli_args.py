@@ -91,8 +91,10 @@ def add_arguments(
     for f, spec, hint in flag_fields(cls):
         if (include is not None and f.name not in include) or f.name in exclude:
             continue
-        default = defaults.get(f.name, field_default(f))
-        kwargs = _argparse_kwargs(f.name, spec, hint, default, choices.get(f.name))
+        default = field_default(f)
+        if f.name in defaults:  # this command's own default, shown as it is
+            default, spec = defaults[f.name], dataclasses.replace(spec, default_text=None)
+        kwargs = _argparse_kwargs(spec, hint, default, choices.get(f.name))
         parser.add_argument(flag_name(f.name), dest=f.name, **kwargs)
 
 
@@ -129,7 +131,7 @@ def to_argv(cls: type, values: Mapping[str, Any]) -> list[str]:
 
 # ---- internals ----------------------------------------------------------------------------------------
 def _argparse_kwargs(
-    name: str, spec: FlagSpec, hint: Any, default: Any, choices_override: Sequence[Any] | None
+    spec: FlagSpec, hint: Any, default: Any, choices_override: Sequence[Any] | None
 ) -> dict[str, Any]:
     required = default is dataclasses.MISSING
     kwargs: dict[str, Any] = {"help": _help(spec, default, required)}
