@@ -164,7 +164,7 @@ def _argparse_kwargs(
 
 
 def _help(spec: FlagSpec, default: Any, required: bool) -> str:
-    if required or (spec.default_text is None and default in (None, "", [])):
+    if required or (spec.default_text is None and default in (None, "", [], {})):
         text = spec.help
     elif spec.default_text is not None:
         text = f"{spec.help} (default: {spec.default_text})"

@@ -13,10 +13,11 @@ Stdlib only at import time (torch only in annotations), so that building the CLI
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from pagoda.cli_args import arg
+from pagoda.limits import RequestLimits
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +63,9 @@ class EngineArgs:
         help="propose jump-forward drafts only while at most this many requests run",
         default_text="4 on the CPU, no limit elsewhere",
     )
+    # Limits on every size a request can choose (n, stop strings, grammar size, ...): see limits.py.
+    # Its fields are flags of `pagoda serve` themselves (--max-n, ...).
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -92,6 +96,8 @@ class EngineArgs:
             raise ValueError(
                 f"jump_forward_max_running must be an integer >= 1, got {self.jump_forward_max_running!r}"
             )
+        if not isinstance(self.limits, RequestLimits):
+            raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
         # The scheduler's own checks, before the model loads (the context length is not known yet).
         self.scheduler_config(self.max_model_len or 2)
 

@@ -19,6 +19,7 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints import serve_cli
 from pagoda.entrypoints.cli import build_parser, main
 from pagoda.entrypoints.server_args import ServerArgs
+from pagoda.limits import RequestLimits
 from pagoda.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -94,7 +95,7 @@ def _actions(argv: list[str]) -> dict[str, argparse.Action]:
 @pytest.mark.parametrize(
     ("command", "classes"),
     [
-        (["serve"], (EngineArgs, ServerArgs)),
+        (["serve"], (EngineArgs, ServerArgs, RequestLimits)),
         (["generate"], (EngineArgs, serve_cli.SamplingArgs)),
         (["chat"], (EngineArgs, serve_cli.SamplingArgs, serve_cli.ChatArgs)),
     ],
@@ -106,8 +107,9 @@ def test_every_field_is_a_flag_with_its_default_and_help(
     overrides = {"chat": {"max_tokens": 512}}.get(command[0], {})
     for cls in classes:
         declared = {f.name for f, _, _ in flag_fields(cls)}
-        # Every field is declared with arg() (EngineArgs.model is the positional MODEL argument).
-        assert declared == {f.name for f in dataclasses.fields(cls)} - {"model"}, cls
+        # Every field is declared with arg(): EngineArgs.model is the positional MODEL argument,
+        # EngineArgs.limits a RequestLimits whose own fields are the flags (serve only).
+        assert declared == {f.name for f in dataclasses.fields(cls)} - {"model", "limits"}, cls
         for f, spec, _ in flag_fields(cls):
             action = actions[f.name]
             assert action.option_strings[0] == "--" + f.name.replace("_", "-")
@@ -117,7 +119,7 @@ def test_every_field_is_a_flag_with_its_default_and_help(
             shown = spec.default_text or (
                 ("on" if default else "off") if isinstance(default, bool) else default
             )
-            if shown not in (None, [], ""):
+            if shown not in (None, [], "", {}):
                 assert action.help.endswith(f"(default: {shown})"), (f.name, action.help)
 
 
@@ -221,11 +223,19 @@ def test_replicas_delegate_to_launch(monkeypatch: pytest.MonkeyPatch, tiny_llama
         "--block-size",
         "8",
     ]
-    argv += ["--no-enable-prefix-caching", "--log-level", "warning"]
+    argv += [
+        "--no-enable-prefix-caching",
+        "--log-level",
+        "warning",
+        "--max-n",
+        "7",
+        "--max-body-size",
+        "5000",
+    ]
     assert main(argv) == 0
     ((model_args,), kw) = calls[0]
     assert kw["replicas"] == 2 and kw["router_port"] == 9000 and kw["base_port"] == 9001
-    assert kw["router_overrides"] == {"api_key": "k"}
+    assert kw["router_overrides"] == {"api_key": "k", "max_body_size": 5000}  # the router gets the limit too
     assert model_args[0] == tiny_llama_dir and "--api-key" not in model_args and "--port" not in model_args
     # The replicas' flags give back the same engine settings.
     reparsed = build_parser().parse_args(["serve", *model_args])
@@ -234,6 +244,8 @@ def test_replicas_delegate_to_launch(monkeypatch: pytest.MonkeyPatch, tiny_llama
         original, tiny_llama_dir
     )
     assert reparsed.log_level == "warning"
+    assert reparsed.max_n == 7 and reparsed.max_body_size == 5000  # limits reach the replicas
+    assert serve_cli._engine_args(reparsed, tiny_llama_dir).limits.max_n == 7
 
 
 def _greedy_text(model: str, prompt, max_tokens: int) -> str:
@@ -340,3 +352,14 @@ def test_building_the_parser_imports_no_engine() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_parser_choices_match_the_parsers() -> None:
+    from pagoda.entrypoints import server_args
+    from pagoda.entrypoints.openai.reasoning import REASONING_PARSERS
+    from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    assert (*TOOL_PARSERS, "none") == server_args.TOOL_CALL_PARSERS
+    assert (*REASONING_PARSERS, "none") == server_args.REASONING_PARSERS
+    with pytest.raises(ValueError, match="tool call parser"):
+        ServerArgs(tool_call_parser="xml")

@@ -61,8 +61,8 @@ def test_server_rejects_with_the_same_message() -> None:
     state = ServerState(engine, metrics=None, model_names=["m"], model_path="m")  # type: ignore[arg-type]
     for param in ("max_tokens", "max_completion_tokens"):
         with pytest.raises(APIError) as info:
-            state.check_length(len(PROMPT), 55, param)
+            state.check_length(len(PROMPT), SamplingParams(max_tokens=55), param)
         assert (info.value.status, info.value.param) == (400, param)
         assert info.value.message == EXPECTED.format(param=param)
-    state.check_length(len(PROMPT), 54)  # exactly the context fits
-    state.check_length(len(PROMPT), None)  # None: up to the context
+    state.check_length(len(PROMPT), SamplingParams(max_tokens=54))  # exactly the context fits
+    state.check_length(len(PROMPT), SamplingParams(max_tokens=None))  # None: up to the context

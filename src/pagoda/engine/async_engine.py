@@ -197,6 +197,7 @@ class AsyncLLM:
             raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts")
         grammar = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            self.engine.args.limits.check_structured(params.structured_outputs)  # before compiling
             # Compiled off the engine loop (and off the event loop): other requests keep running.
             future = await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)
             grammar = await asyncio.wrap_future(future)

@@ -36,29 +36,3 @@ def tokenize_prompt(
             "(room is needed for at least one generated token)"
         )
     return text, token_ids
-
-
-class ContextLengthError(ValueError):
-    """The prompt plus max_tokens does not fit the context; `param` names the field to lower."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def resolve_max_tokens(
-    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens"
-) -> int:
-    """The number of tokens a request may generate: `max_tokens`, or with None as many as the
-    context holds. The same policy offline and in the server: never truncated silently."""
-    room = max_model_len - num_prompt_tokens
-    if max_tokens is None:
-        return room
-    if max_tokens > room:
-        raise ContextLengthError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-            f"for the completion). Shorten the prompt or lower {param}.",
-            param,
-        )
-    return max_tokens

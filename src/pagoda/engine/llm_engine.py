@@ -9,9 +9,10 @@ from concurrent.futures import Future
 
 from pagoda.config import EngineArgs
 from pagoda.engine.core import EngineCore
-from pagoda.engine.input_processor import Prompt, resolve_max_tokens, tokenize_prompt
+from pagoda.engine.input_processor import Prompt, tokenize_prompt
 from pagoda.engine.output_processor import OutputProcessor, RequestGroup, _Completion
 from pagoda.engine.resolve import resolve_engine_config
+from pagoda.limits import check_context
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams, StructuredOutputs
@@ -60,8 +61,11 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.args.limits.check_request(prompt, params, self.max_model_len)
         text, prompt_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
-        max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, self.max_model_len)
+        # The same policy as the server's: over the context is an error, None means up to it.
+        check_context(len(prompt_ids), params.max_tokens, params.min_tokens, self.max_model_len)
+        max_tokens = self.max_model_len - len(prompt_ids) if params.max_tokens is None else params.max_tokens
         if params.structured_outputs is not None:
             if params.min_tokens:
                 raise ValueError("min_tokens cannot be combined with structured_outputs")
@@ -105,7 +109,9 @@ class LLMEngine:
                     self.tokenizer,
                     vocab_size=self.vocab_size,
                     eos_token_ids=self.eos_token_ids,
-                    config=GrammarConfig(any_whitespace=False),
+                    config=GrammarConfig(
+                        any_whitespace=False, compile_timeout_s=self.args.limits.grammar_compile_timeout
+                    ),
                 )
             return self.core.grammars
 

@@ -13,6 +13,7 @@ from typing import Any
 from pagoda.cli_args import add_arguments, arg, to_argv, values_from
 from pagoda.config import EngineArgs
 from pagoda.entrypoints.server_args import ServerArgs
+from pagoda.limits import RequestLimits
 
 # ServerArgs fields that a replica started by --replicas does not inherit: the router in front
 # listens on them and checks the API key; the replicas listen on loopback ports without one.
@@ -57,6 +58,9 @@ def register(subparsers: Any) -> None:
     )
     _add_model_arg(serve)
     add_arguments(serve.add_argument_group("server"), ServerArgs)
+    add_arguments(
+        serve.add_argument_group("request limits (a request over one gets a 400 naming it)"), RequestLimits
+    )
     _add_engine_args(serve)
     serve.set_defaults(func=_run_serve)
 
@@ -114,7 +118,16 @@ def _resolve_model(args: argparse.Namespace) -> str:
 
 
 def _engine_args(args: argparse.Namespace, model: str) -> EngineArgs:
-    return EngineArgs(**values_from(EngineArgs, args, model=model))
+    """EngineArgs from the engine flags, and the request limits from theirs (`serve`; the
+    defaults for commands without them)."""
+    limits = RequestLimits(**values_from(RequestLimits, args))
+    return EngineArgs(**values_from(EngineArgs, args, model=model, limits=limits))
+
+
+def _server_args(args: argparse.Namespace) -> ServerArgs:
+    # The demo model is served under a short name rather than its install path.
+    served_name = args.served_model_name or (DEMO_MODEL_NAME if args.model is None else None)
+    return ServerArgs(**values_from(ServerArgs, args, served_model_name=served_name))
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -132,9 +145,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         model = _resolve_model(args)
         engine_args = _engine_args(args, model)
-        # The demo model is served under a short name rather than its install path.
-        served_name = args.served_model_name or (DEMO_MODEL_NAME if args.model is None else None)
-        config = ServerArgs(**values_from(ServerArgs, args, served_model_name=served_name))
+        config = _server_args(args)
     except (ValueError, OSError, ImportError) as exc:
         return _fail("serve", str(exc))
     _configure_logging(config.log_level)
@@ -159,7 +170,10 @@ def _launch_replicas(engine_args: EngineArgs, config: ServerArgs) -> int:
             base_port=config.port + 1,
             router_host=config.host,
             router_port=config.port,
-            router_overrides={"api_key": api_key} if api_key else None,
+            router_overrides={
+                "max_body_size": config.max_body_size,
+                **({"api_key": api_key} if api_key else {}),
+            },
             log_level=config.log_level,
         )
     except ValueError as exc:
@@ -170,7 +184,11 @@ def _replica_flags(engine_args: EngineArgs, config: ServerArgs) -> list[str]:
     """`pagoda serve` flags that give each replica this command's engine and server settings,
     but for those the router owns."""
     server = {name: v for name, v in dataclasses.asdict(config).items() if name not in _ROUTER_OWNED}
-    return to_argv(EngineArgs, dataclasses.asdict(engine_args)) + to_argv(ServerArgs, server)
+    return (
+        to_argv(EngineArgs, dataclasses.asdict(engine_args))
+        + to_argv(RequestLimits, dataclasses.asdict(engine_args.limits))
+        + to_argv(ServerArgs, server)
+    )
 
 
 # ---- generate and chat (in-process) -----------------------------------------------------------------

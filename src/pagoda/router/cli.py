@@ -27,6 +27,7 @@ _CONFIG_KEYS = {
     "connect_timeout": "connect_timeout_s",
     "read_timeout": "read_timeout_s",
     "seed": "seed",
+    "max_body_size": "max_body_size",
 }
 
 
@@ -56,6 +57,12 @@ class RoutingArgs:
     )
     api_key: str | None = arg(None, help="require 'Authorization: Bearer KEY' on /v1/*")
     seed: int | None = arg(None, help="random seed of the power-of-two policy")
+    max_body_size: int | None = arg(
+        None,
+        help="largest request body in bytes; larger get a 413",
+        default_text=_help_default("max_body_size"),
+        metavar="BYTES",
+    )
     log_level: str = arg("info", help="log level", choices=_LOG_LEVELS)
 
 
