@@ -92,13 +92,36 @@ def _actions(argv: list[str]) -> dict[str, argparse.Action]:
     return {a.dest: a for a in sub._actions}
 
 
-@pytest.mark.parametrize(
-    ("command", "classes"),
-    [
+def _commands() -> list[tuple[list[str], tuple[type, ...]]]:
+    from pagoda.bench import cli as bench_cli
+    from pagoda.bench.lang import LangBenchArgs
+    from pagoda.bench.offline import OfflineArgs
+    from pagoda.bench.soak import SoakConfig, SoakOutput
+    from pagoda.router import cli as router_cli
+
+    routing = (router_cli.RoutingArgs, router_cli.CacheAwareArgs, router_cli.HealthArgs)
+    client = (bench_cli.ClientArgs, bench_cli.DatasetArgs)
+    return [
         (["serve"], (EngineArgs, ServerArgs, RequestLimits)),
         (["generate"], (EngineArgs, serve_cli.SamplingArgs)),
         (["chat"], (EngineArgs, serve_cli.SamplingArgs, serve_cli.ChatArgs)),
-    ],
+        (["bench", "serve"], (bench_cli.ServeArgs, *client)),
+        (["bench", "sweep"], (bench_cli.SweepArgs, bench_cli.SweepValues, *client)),
+        (["bench", "offline"], (OfflineArgs,)),
+        (["bench", "lang"], (LangBenchArgs,)),
+        (["bench", "soak"], (SoakConfig, SoakOutput)),
+        (["router"], (router_cli.RouterArgs, *routing)),
+        (["launch"], (router_cli.LaunchArgs, *routing)),
+    ]
+
+
+# Fields that are not flags: EngineArgs.model is the positional MODEL argument, EngineArgs.limits a
+# RequestLimits whose own fields are the flags (serve only); the soak's timeouts are fixed.
+NOT_FLAGS = {"EngineArgs": {"model", "limits"}, "SoakConfig": {"idle_timeout_s", "request_timeout_s"}}
+
+
+@pytest.mark.parametrize(
+    ("command", "classes"), _commands(), ids=lambda c: "-".join(c) if c and isinstance(c[0], str) else None
 )
 def test_every_field_is_a_flag_with_its_default_and_help(
     command: list[str], classes: tuple[type, ...]
@@ -107,19 +130,18 @@ def test_every_field_is_a_flag_with_its_default_and_help(
     overrides = {"chat": {"max_tokens": 512}}.get(command[0], {})
     for cls in classes:
         declared = {f.name for f, _, _ in flag_fields(cls)}
-        # Every field is declared with arg(): EngineArgs.model is the positional MODEL argument,
-        # EngineArgs.limits a RequestLimits whose own fields are the flags (serve only).
-        assert declared == {f.name for f in dataclasses.fields(cls)} - {"model", "limits"}, cls
+        assert declared == {f.name for f in dataclasses.fields(cls)} - NOT_FLAGS.get(cls.__name__, set()), cls
         for f, spec, _ in flag_fields(cls):
             action = actions[f.name]
             assert action.option_strings[0] == "--" + f.name.replace("_", "-")
             default = overrides.get(f.name, field_default(f))
-            assert action.default == default, f.name
-            assert action.help.startswith(spec.help), f.name
+            if default is not dataclasses.MISSING:
+                assert action.default == default, f.name
+            assert action.help.startswith(spec.help.replace("%", "%%")), f.name
             shown = spec.default_text or (
                 ("on" if default else "off") if isinstance(default, bool) else default
             )
-            if shown not in (None, [], "", {}):
+            if shown not in (None, [], "", {}, dataclasses.MISSING):
                 assert action.help.endswith(f"(default: {shown})"), (f.name, action.help)
 
 
