@@ -40,7 +40,10 @@ class ModelRunner:
         self.model = load_model(model.path, model.dtype, model.device, quantization=model.quantization)
         self.weight_format: str = self.model.weight_format
         logger.info(
-            "loaded %s (%s activations): %s", model.path, str(model.dtype).removeprefix("torch."), self.weight_format
+            "loaded %s (%s activations): %s",
+            model.path,
+            str(model.dtype).removeprefix("torch."),
+            self.weight_format,
         )
         self.arch = self.model.config
         self.vocab_size = self.arch.vocab_size
