@@ -53,7 +53,7 @@ class KVCacheManager:
         """Tokens of the request a cache lookup would serve now; read-only."""
         if self.radix is None:
             return 0
-        return self.radix.match_len(request.token_ids, request.cache_salt)
+        return self.radix.match_len(request.token_ids[: request.num_cacheable_tokens], request.cache_salt)
 
     def allocate_first(self, request: Request, max_new_tokens: int) -> int:
         """Give a waiting request (num_computed_tokens == 0) its blocks: its longest cached prefix,
@@ -63,8 +63,11 @@ class KVCacheManager:
         total = request.num_tokens
         node, shared = None, []
         if self.radix is not None:
-            # The last token is always computed (its logits are needed), so look up one less.
-            node, shared = self.radix.match(request.token_ids[: total - 1], request.cache_salt)
+            # The last token is always computed (its logits are needed), so look up one less; a
+            # request owed prompt logprobs looks up only the tokens before the first it scores.
+            node, shared = self.radix.match(
+                request.token_ids[: request.num_cacheable_tokens], request.cache_salt
+            )
         num_cached_blocks = len(shared)
         num_computed = len(shared) * bs
         source = request.fork_source

@@ -22,6 +22,8 @@ class StepOutput:
     request: Request
     new_token_ids: list[int]
     new_logprobs: list[dict[int, Logprob]] | None
+    # With the request's first tokens: its prompt logprobs (SamplingParams.prompt_logprobs).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class EngineCore:
@@ -59,6 +61,8 @@ class EngineCore:
             return []
         result = self.runner.execute(sched, self._fill_bitmask if self.grammars else None)
         requests = self.scheduler.requests
+        for rid, (pos, entries) in result.prompt_logprobs.items():
+            _store_prompt_logprobs(requests[rid], pos, entries)
         sampled: dict[str, SampledTokens] = {}
         logprobs: dict[str, list[dict[int, Logprob]]] = {}
         for rid, tok in result.sampled.items():
@@ -78,7 +82,10 @@ class EngineCore:
         for req in changed:
             new = req.token_ids[verified[req.request_id] : req.num_tokens - req.num_draft_tokens]
             lp = logprobs.get(req.request_id)
-            outputs.append(StepOutput(req, new, lp[: len(new)] if lp else None))
+            step = StepOutput(req, new, lp[: len(new)] if lp else None)
+            if new and req.prompt_logprobs is not None and req.prompt_logprobs_next is None:
+                step.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None  # handed over once
+            outputs.append(step)
         return outputs
 
     # ---- structured output -----------------------------------------------------------------------
@@ -142,3 +149,11 @@ class EngineCore:
 
     def check_invariants(self) -> None:
         self.scheduler.check()
+
+
+def _store_prompt_logprobs(req: Request, pos: int, entries: list[dict[int, Logprob]]) -> None:
+    """Record the prompt logprobs of positions pos.. (a recompute after preemption may repeat
+    some: the same values). `prompt_logprobs_next` becomes None once every position is in."""
+    req.prompt_logprobs[pos : pos + len(entries)] = entries
+    end = pos + len(entries)
+    req.prompt_logprobs_next = None if end >= req.num_prompt_tokens else max(req.prompt_logprobs_next, end)

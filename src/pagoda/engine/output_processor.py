@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from pagoda.engine.core import StepOutput
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagoda.request import Request
 from pagoda.tokenizer import OutputTextState
 
@@ -41,6 +41,7 @@ class RequestGroup:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # once the first sample's prompt logprobs are in
 
     @property
     def finished(self) -> bool:
@@ -72,6 +73,8 @@ class OutputProcessor:
             if group.first_token_time is None:
                 group.first_token_time = now
                 group.num_cached_tokens = max(out.request.num_cached_tokens, 0)
+            if out.prompt_logprobs is not None:
+                group.prompt_logprobs = self._decoded(out.prompt_logprobs)
             comp.token_ids.extend(out.new_token_ids)
             comp.new_token_ids.extend(out.new_token_ids)
             if out.new_logprobs is not None:
@@ -135,6 +138,9 @@ class OutputProcessor:
             del self.groups[group.request_id]
             for cid in group.child_ids:
                 del self._child[cid]
+        prompt_logprobs = group.prompt_logprobs
+        if group.stream:  # sent once, with the first delta after they are in
+            group.prompt_logprobs = None
         metrics = {"arrival_time": group.arrival_time, "now": time.monotonic()}
         if group.first_token_time is not None:
             metrics["first_token_time"] = group.first_token_time
@@ -146,4 +152,14 @@ class OutputProcessor:
             finished,
             group.num_cached_tokens,
             metrics,
+            prompt_logprobs,
         )
+
+    def _decoded(self, entries: PromptLogprobs) -> PromptLogprobs:
+        """Fill each Logprob's decoded_token (the token's text, as vLLM reports it)."""
+        ids = sorted({t for e in entries if e is not None for t in e})
+        texts = dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids]), strict=True))
+        for e in entries:
+            for t, lp in (e or {}).items():
+                lp.decoded_token = texts[t]
+        return entries

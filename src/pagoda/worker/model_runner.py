@@ -14,9 +14,13 @@ from pagoda.models.loader import load_model
 from pagoda.outputs import Logprob
 from pagoda.request import Request
 from pagoda.sample import Sampler, SamplingMetadata, SamplingRow
+from pagoda.sample.logprobs import prompt_logprobs
 from pagoda.step import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# Prompt-logprob rows go through the LM head this many at a time ([rows, vocab] float32 each).
+_PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass
@@ -28,6 +32,9 @@ class ModelOutput:
     # request id -> float32 logits [k + 1, V] at the positions that predict each of its k
     # jump-forward drafts and the token after them; the engine core verifies them in order.
     draft_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    # request id -> (first prompt position, its logprob entries in order) for the requests owed
+    # prompt logprobs whose positions this step computed.
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -81,10 +88,17 @@ class ModelRunner:
         for s in drafted:
             end = ends[s.request.request_id]
             rows.extend(range(end - s.request.num_draft_tokens - 1, end))
-        if not rows:
-            return ModelOutput({}, {})
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        # Prompt-logprob rows share the sampling rows' LM-head call (the first slice of them).
+        spans = self._prompt_logprob_rows(batch, ends)
+        prompt_rows = [row + i for _, _, row, count in spans for i in range(count)]
+        head_rows = rows + prompt_rows[:_PROMPT_LOGPROB_ROWS]
         output = ModelOutput({}, {})
+        if not head_rows:
+            return output
+        logits = self.model.compute_logits(hidden[torch.tensor(head_rows, device=self.device)])
+        if spans:
+            output.prompt_logprobs = self._prompt_logprobs(spans, logits[len(rows) :], hidden)
+            logits = logits[: len(rows)]
         offset = len(sampling)
         for s in drafted:
             k = s.request.num_draft_tokens
@@ -95,6 +109,48 @@ class ModelRunner:
             bitmask = token_bitmask_fn(requests) if token_bitmask_fn else None
             output.sampled, output.logprobs = self.sample(logits[: len(sampling)], requests, bitmask)
         return output
+
+    def _prompt_logprob_rows(
+        self, batch: list[ScheduledRequest], ends: dict[str, int]
+    ) -> list[tuple[Request, int, int, int]]:
+        """For the requests owed prompt logprobs: (request, first prompt position this step
+        scores, its flat row, number of positions). The row at position q predicts token q + 1."""
+        spans = []
+        for s in batch:
+            req = s.request
+            if req.prompt_logprobs_next is None:
+                continue
+            start = req.num_computed_tokens
+            first = max(start, req.prompt_logprobs_next - 1)
+            last = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if first < last:
+                row = ends[req.request_id] - s.num_new_tokens + first - start
+                spans.append((req, first + 1, row, last - first))
+        return spans
+
+    def _prompt_logprobs(
+        self, spans: list[tuple[Request, int, int, int]], head: torch.Tensor, hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[dict[int, Logprob]]]]:
+        """The entries of `spans`: `head` holds the logits of their first rows (computed with the
+        sampling rows in one LM-head call); the rest go through the LM head in slices."""
+        rows = [row + i for _, _, row, count in spans for i in range(count)]
+        targets = [t for req, pos, _, count in spans for t in req.token_ids[pos : pos + count]]
+        ks = [req.params.prompt_logprobs for req, _, _, count in spans for _ in range(count)]
+        entries: list[dict[int, Logprob]] = []
+        for off in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
+            end = min(off + _PROMPT_LOGPROB_ROWS, len(rows))
+            if off < len(head):
+                logits = head[off:end]
+            else:
+                logits = self.model.compute_logits(hidden[torch.tensor(rows[off:end], device=self.device)])
+            ids = torch.tensor(targets[off:end], device=self.device)
+            entries.extend(prompt_logprobs(logits, ids, tuple(ks[off:end])))
+        result = {}
+        offset = 0
+        for req, pos, _, count in spans:
+            result[req.request_id] = (pos, entries[offset : offset + count])
+            offset += count
+        return result
 
     @torch.inference_mode()
     def sample(
