@@ -226,7 +226,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t ldq = q.stride(0), ldh = q.stride(1);
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<VecF> qf(static_cast<size_t>(G * C));
+    std::vector<float> qf(static_cast<size_t>(G * C * 16));  // scaled query heads, fp32
     std::vector<float> kf(static_cast<size_t>(16 * C * 16));
     std::vector<float> scores;
     std::vector<int64_t> offsets;
@@ -239,7 +239,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       const int32_t* table = tables + b * ldt;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t c = 0; c < C; ++c)
-          qf[g * C + c] = mul(load_bf16(qp + b * ldq + (h * G + g) * ldh + c * 16, tail_mask(D - c * 16)), set1(fscale));
+          store(qf.data() + (g * C + c) * 16,
+                mul(load_bf16(qp + b * ldq + (h * G + g) * ldh + c * 16, tail_mask(D - c * 16)), set1(fscale)));
       scores.resize(static_cast<size_t>(G * n));
       offsets.resize(static_cast<size_t>(n));
       for (int64_t t = start, j = start / bs, slot = start % bs; t < len; ++t) {  // no division per position
@@ -263,7 +264,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
           VecF dots[16];
           for (int j = 0; j < 16; ++j) dots[j] = zero();
           for (int64_t c = 0; c < C; ++c) {
-            const VecF qv = qf[g * C + c];
+            const VecF qv = load(qf.data() + (g * C + c) * 16);
             for (int j = 0; j < 16; ++j) dots[j] = fmadd(qv, load(kf.data() + (j * C + c) * 16), dots[j]);
           }
           store(scores.data() + g * n + (t0 - start), transpose_sum16(dots), tail_mask(count));
