@@ -376,8 +376,10 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64
         xg = buffer.data();
       }
       const int64_t p_begin = c * units / chunks * unit, p_end = (c + 1) * units / chunks * unit;
-      // Panels outer, row blocks inner; a single block streams the whole chunk at once.
-      const int64_t step = b1 - b0 == 1 ? p_end - p_begin : unit;
+      // Panels outer, row blocks inner; a single block streams the whole chunk at once. Several
+      // blocks take two panels (32 columns) at a time: their full-height tiles are two panels
+      // wide, and the pair is reused from L1/L2 by every block.
+      const int64_t step = b1 - b0 == 1 ? p_end - p_begin : 2;
       for (int64_t p = p_begin; p < p_end; p += step) {
         for (size_t b = b0; b < b1; ++b) {
           const auto [row, rows] = blocks[b];
