@@ -12,14 +12,24 @@ _EXPORTS = {
     "LLM": "pagoda.entrypoints.llm",
     "CompletionOutput": "pagoda.outputs",
     "Logprob": "pagoda.outputs",
+    "RequestLimits": "pagoda.limits",
     "RequestOutput": "pagoda.outputs",
     "SamplingParams": "pagoda.sampling_params",
     "StructuredOutputs": "pagoda.sampling_params",
 }
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputs"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestLimits",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputs",
+]
 
 if TYPE_CHECKING:
     from pagoda.entrypoints.llm import LLM
+    from pagoda.limits import RequestLimits
     from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
     from pagoda.sampling_params import SamplingParams, StructuredOutputs
 

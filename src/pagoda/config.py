@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+
+from pagoda.limits import RequestLimits
 
 _DTYPES = {
     "float32": torch.float32,
@@ -27,6 +29,10 @@ def resolve_dtype(dtype: str | torch.dtype, model_dir: str) -> torch.dtype:
             raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
         return dtype
     if dtype == "auto":
+        if model_dir.lower().endswith(".gguf"):
+            from pagoda.quant.gguf_file import default_dtype
+
+            return default_dtype(model_dir)
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)
         name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
@@ -86,8 +92,10 @@ class SchedulerConfig:
 class EngineArgs:
     """Everything a user may set when creating an engine (flat, vLLM-style names)."""
 
-    model: str
-    tokenizer: str | None = None  # defaults to the model folder
+    model: str  # a Hugging Face model folder or a .gguf file
+    tokenizer: str | None = None  # defaults to the model folder (or the GGUF file's own tokenizer)
+    # Quantize a float checkpoint's weights at load: "q8_0", "q4_0" or "q4_k" (None: as stored).
+    quantization: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -104,14 +112,30 @@ class EngineArgs:
     # (a larger decode batch is compute-bound there, so rejected drafts cost more than the passes
     # they save), no limit on other devices.
     jump_forward_max_running: int | None = None
+    # Limits on every size a request can choose (n, stop strings, grammar size, ...): see limits.py.
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError("model must be the path of a Hugging Face model folder")
-        if not os.path.isdir(self.model):
+            raise ValueError("model must be the path of a Hugging Face model folder or a .gguf file")
+        if self.model.lower().endswith(".gguf"):
+            if not os.path.isfile(self.model):
+                raise ValueError(f"GGUF file {self.model!r} does not exist")
+            if self.quantization is not None:
+                raise ValueError(
+                    "quantization applies to safetensors checkpoints; a GGUF file keeps its own types"
+                )
+        elif not os.path.isdir(self.model):
             raise ValueError(f"model folder {self.model!r} does not exist")
-        if not os.path.isfile(os.path.join(self.model, "config.json")):
+        elif not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model folder {self.model!r} has no config.json")
+        if self.quantization is not None:
+            from pagoda.quant.formats import LOAD_TIME_TYPES
+
+            if self.quantization not in LOAD_TIME_TYPES:
+                raise ValueError(
+                    f"quantization must be one of {', '.join(LOAD_TIME_TYPES)}, got {self.quantization!r}"
+                )
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):
@@ -124,6 +148,8 @@ class EngineArgs:
             raise ValueError(
                 f"jump_forward_max_running must be an integer >= 1, got {self.jump_forward_max_running!r}"
             )
+        if not isinstance(self.limits, RequestLimits):
+            raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
         # Validate the component configs early, so a bad value fails before the model loads.
         self.cache_config()
         self.scheduler_config(self.max_model_len or 2)

@@ -2,21 +2,38 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(frozen=True)
 class StructuredOutputs:
-    """Constraints on the output: exactly one of the fields must be set (names as in vLLM)."""
+    """Constraints on the output: exactly one of the fields must be set (names as in vLLM).
+
+    ``structural_tag`` is a structural tag (JSON text or dict, ``{"type": "structural_tag", "format":
+    ...}``): free text, tagged regions and constrained parts in sequence; the tool-call and
+    reasoning constraints of the chat API are built as such (``pagoda.structured.tags``).
+    """
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         given = [
@@ -26,12 +43,14 @@ class StructuredOutputs:
                 ("regex", self.regex),
                 ("choice", self.choice),
                 ("grammar", self.grammar),
+                ("structural_tag", self.structural_tag),
             )
             if value is not None
         ] + (["json_object"] if self.json_object else [])
         if len(given) != 1:
             raise ValueError(
-                f"StructuredOutputs needs exactly one of json, regex, choice, grammar, json_object; got {given or 'none'}"
+                "StructuredOutputs needs exactly one of json, regex, choice, grammar, json_object, "
+                f"structural_tag; got {given or 'none'}"
             )
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
@@ -40,7 +59,7 @@ class StructuredOutputs:
 
     @property
     def kind(self) -> str:
-        for name in ("json", "regex", "choice", "grammar"):
+        for name in ("json", "regex", "choice", "grammar", "structural_tag"):
             if getattr(self, name) is not None:
                 return name
         return "json_object"
@@ -78,7 +97,24 @@ class SamplingParams:
                 raise ValueError(msg)
 
         check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        for name in _FLOAT_FIELDS:  # NaN and infinity pass the range checks below (or break them)
+            value = getattr(self, name)
+            check(
+                isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value),
+                f"{name} must be a finite number, got {value!r}",
+            )
         check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        # The sampler works in float32: these bounds keep every logit finite (an infinite logit
+        # turns the row's probabilities into NaN), with room to spare.
+        check(
+            self.temperature <= MAX_TEMPERATURE,
+            f"temperature must be <= {MAX_TEMPERATURE}, got {self.temperature}",
+        )
+        check(
+            REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
+            f"repetition_penalty must be in [{REPETITION_PENALTY_RANGE[0]}, {REPETITION_PENALTY_RANGE[1]}], "
+            f"got {self.repetition_penalty}",
+        )
         check(
             isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
             f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
@@ -125,7 +161,10 @@ class SamplingParams:
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 check(isinstance(tok, int) and tok >= 0, f"logit_bias keys must be token ids, got {tok!r}")
-                check(-100.0 <= bias <= 100.0, f"logit_bias values must be in [-100, 100], got {bias}")
+                check(
+                    isinstance(bias, int | float) and not isinstance(bias, bool) and -100.0 <= bias <= 100.0,
+                    f"logit_bias values must be numbers in [-100, 100], got {bias!r}",
+                )
 
     @property
     def greedy(self) -> bool:

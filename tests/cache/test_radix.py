@@ -62,6 +62,23 @@ def test_salts_never_share():
     assert tree.match_len(tokens, "tenant-b") == 0
 
 
+def test_roots_of_salts_with_nothing_cached_are_dropped():
+    pool = BlockPool(8)
+    tree = RadixCache(pool, BS)
+    for salt in ("a", "b", "c"):
+        blocks = pool.allocate(1)
+        tree.insert(tree.root(salt), list(range(BS)), blocks)
+        pool.decref(blocks)  # the request is done; only the tree holds them
+    node, _ = tree.match(list(range(BS)) + [0], "b")
+    tree.lock(node)  # a running request of salt "b"
+    assert tree.evict(8) == 2
+    assert set(tree._roots) == {"b"}  # "a" and "c" had nothing left; "b" is in use
+    tree.unlock(node)
+    tree.evict(8)
+    assert tree._roots == {} and pool.num_free == 8
+    tree.check()
+
+
 def test_insert_keeps_existing_blocks():
     pool = BlockPool(8)
     tree = RadixCache(pool, BS)

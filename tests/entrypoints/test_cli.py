@@ -72,7 +72,7 @@ def test_engine_flag_defaults_match_engine_args(tiny_llama_dir: str) -> None:
     args = build_parser().parse_args(["serve", tiny_llama_dir])
     built = serve_cli._engine_args(args, tiny_llama_dir)
     assert built == EngineArgs(model=tiny_llama_dir)
-    fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+    fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model", "limits"}
     assert set(serve_cli._ENGINE_FIELDS) == fields
 
 
@@ -106,11 +106,19 @@ def test_replicas_delegate_to_launch(monkeypatch: pytest.MonkeyPatch, tiny_llama
         "--block-size",
         "8",
     ]
-    argv += ["--no-enable-prefix-caching", "--log-level", "warning"]
+    argv += [
+        "--no-enable-prefix-caching",
+        "--log-level",
+        "warning",
+        "--max-n",
+        "7",
+        "--max-body-size",
+        "5000",
+    ]
     assert main(argv) == 0
     ((model_args,), kw) = calls[0]
     assert kw["replicas"] == 2 and kw["router_port"] == 9000 and kw["base_port"] == 9001
-    assert kw["router_overrides"] == {"api_key": "k"}
+    assert kw["router_overrides"] == {"api_key": "k", "max_body_size": 5000}  # the router gets the limit too
     assert model_args[0] == tiny_llama_dir and "--api-key" not in model_args and "--port" not in model_args
     # The replicas' flags give back the same engine settings.
     reparsed = build_parser().parse_args(["serve", *model_args])
@@ -119,6 +127,8 @@ def test_replicas_delegate_to_launch(monkeypatch: pytest.MonkeyPatch, tiny_llama
         original, tiny_llama_dir
     )
     assert reparsed.log_level == "warning"
+    assert reparsed.max_n == 7 and reparsed.max_body_size == 5000  # limits reach the replicas
+    assert serve_cli._engine_args(reparsed, tiny_llama_dir).limits.max_n == 7
 
 
 def _greedy_text(model: str, prompt, max_tokens: int) -> str:

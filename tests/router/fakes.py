@@ -169,6 +169,9 @@ def tcp_listen_socket(port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((LOOPBACK, port))
+    # Listening before the port is announced: connections wait in the backlog until uvicorn runs,
+    # instead of being refused (a health check right after startup would fail on a loaded machine).
+    sock.listen(128)
     return sock
 
 

@@ -1,4 +1,4 @@
-"""`pagoda bench serve | sweep | offline`. Heavy imports wait for the handlers, so `pagoda --help` stays fast."""
+"""`pagoda bench serve | sweep | offline | lang | soak | perplexity`. Heavy imports wait for the handlers, so `pagoda --help` stays fast."""
 
 from __future__ import annotations
 
@@ -21,9 +21,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=lambda _args: _print_help(bench))
     add_serve_parser(bench_subparsers)
     add_sweep_parser(bench_subparsers)
-    from pagoda.bench import offline
+    from pagoda.bench import lang, offline, perplexity, soak
 
     offline.register(bench_subparsers)
+    lang.register(bench_subparsers)
+    soak.register(bench_subparsers)
+    perplexity.register(bench_subparsers)
 
 
 def _print_help(parser: argparse.ArgumentParser) -> int:

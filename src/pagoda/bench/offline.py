@@ -1,8 +1,13 @@
 """`pagoda bench offline`: in-process throughput and latency, against a baseline in the same run.
 
 Workloads: `batch` (many requests at once), `single` (one stream), `prefill` (one long prompt),
-compared with transformers `generate` on the same prompts, dtype and threads; and `shared-prefix`
-and `multi-turn`, run with the prefix cache on and off.
+compared with transformers `generate` on the same prompts, dtype and threads (or, with
+`--baseline llama.cpp`, llama-cpp-python on the same GGUF file); and `shared-prefix` and
+`multi-turn`, run with the prefix cache on and off.
+
+`--model` takes a Hugging Face folder or a GGUF file; `--quantization` quantizes a folder's
+weights at load, and `--gguf TYPE` writes the (default random) model as a GGUF file of TYPE
+with `pagoda quantize` first (cached next to it), so that pagoda and llama.cpp run one file.
 """
 
 from __future__ import annotations
@@ -82,6 +87,20 @@ def register(subparsers) -> None:
         type=int,
         help="structured: draft only while at most this many requests run (default: the engine's)",
     )
+    p.add_argument("--quantization", choices=("q8_0", "q4_0", "q4_k"), help="quantize the weights at load")
+    p.add_argument(
+        "--gguf",
+        metavar="TYPE",
+        help="run the model as a GGUF file of this type (q8_0, q4_0, q4_k_m, bf16, ...), written once "
+        "by pagoda quantize next to the model",
+    )
+    p.add_argument(
+        "--baseline",
+        choices=("transformers", "llama.cpp"),
+        default="transformers",
+        help="what to compare with: transformers generate, or llama-cpp-python on the same GGUF file "
+        "(batch, single and prefill workloads; default transformers)",
+    )
     p.add_argument("--no-baseline", action="store_true", help="skip the baseline run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", help="write the figures as JSON here")
@@ -127,6 +146,19 @@ def run(args: argparse.Namespace) -> int:
         if value < 1:
             raise SystemExit(f"pagoda bench offline: --{name} must be >= 1")
     model = args.model or _default_model(args.vocab_size)
+    if args.gguf:
+        model = _gguf_model(model, args.gguf)
+    if args.quantization and model.lower().endswith(".gguf"):
+        raise SystemExit("pagoda bench offline: --quantization applies to safetensors models, not GGUF files")
+    if args.baseline == "llama.cpp" and not args.no_baseline:
+        if not model.lower().endswith(".gguf"):
+            raise SystemExit(
+                "pagoda bench offline: --baseline llama.cpp needs a GGUF model (--model FILE.gguf or --gguf TYPE)"
+            )
+        if args.workload not in ("batch", "single", "prefill"):
+            raise SystemExit(
+                "pagoda bench offline: --baseline llama.cpp runs the batch, single and prefill workloads"
+            )
     from pagoda.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
@@ -146,16 +178,26 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompts = _random_prompts(tokenizer, n, input_len, args.seed)
         results.append(_run_pagoda(args, model, prompts, output_len))
-        if not args.no_baseline:
+        if not args.no_baseline and args.baseline == "llama.cpp":
+            results.append(_run_llama_cpp(model, prompts, output_len, torch.get_num_threads()))
+        elif not args.no_baseline:
             results.append(_run_transformers(model, args.dtype, prompts, output_len))
-    roofline = _roofline(model, args.dtype, results) if args.workload == "single" else None
+    roofline = _roofline(model, args.dtype, results, args.quantization) if args.workload == "single" else None
     _report(args, results, {"kernel_variant": cpu_kernels.status().variant, "roofline": roofline})
     return 0
 
 
-def weight_bytes_per_token(model: str, dtype: str) -> int:
+def weight_bytes_per_token(model: str, dtype: str, quantization: str | None = None) -> int:
     """Bytes of weights one decode step reads: every linear layer and the LM head (the embedding
-    only gives one row), from the checkpoint's config."""
+    only gives one row), from the checkpoint's config; for a GGUF file, its tensors' bytes as
+    stored (the format's roofline); quantized at load, the type's bits per weight."""
+    if model.lower().endswith(".gguf"):
+        from pagoda.quant.gguf_file import GGUFFile
+
+        f = GGUFFile(model)
+        names = [n for n in f.tensor_names() if len(f.tensor_shape(n)) == 2]
+        tied = "output.weight" not in names
+        return sum(f.tensor_nbytes(n) for n in names if tied or n != "token_embd.weight")
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model)
@@ -164,15 +206,19 @@ def weight_bytes_per_token(model: str, dtype: str) -> int:
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * c.intermediate_size
     params = c.num_hidden_layers * per_layer + c.vocab_size * hidden
+    if quantization is not None:
+        from pagoda.quant.formats import LOAD_TIME_TYPES, bits_per_weight
+
+        return int(params * bits_per_weight(LOAD_TIME_TYPES[quantization]) / 8)
     return params * {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
 
 
-def _roofline(model: str, dtype: str, results: list[RunResult]) -> dict:
+def _roofline(model: str, dtype: str, results: list[RunResult], quantization: str | None = None) -> dict:
     """Single-stream decode against the memory-read roofline: weight bytes per token over the
     read bandwidth measured now, in the same run."""
     from pagoda.kernels.bandwidth import measure_read_bandwidth
 
-    per_token = weight_bytes_per_token(model, dtype)
+    per_token = weight_bytes_per_token(model, dtype, quantization)
     bandwidth = measure_read_bandwidth()
     limit = bandwidth.best_gb_s * 1e9 / per_token
     lines = [
@@ -209,6 +255,25 @@ def _default_model(vocab_size: int) -> str:
     return path
 
 
+def _gguf_model(model: str, file_type: str) -> str:
+    """`model` written as a GGUF file of `file_type` (once; kept beside the folder)."""
+    from pagoda.entrypoints.cli import main
+
+    if model.lower().endswith(".gguf"):
+        raise SystemExit(
+            "pagoda bench offline: --gguf converts a model folder; --model is already a GGUF file"
+        )
+    path = os.path.join(
+        os.path.dirname(os.path.abspath(model)),
+        f"{os.path.basename(os.path.abspath(model))}-{file_type}.gguf",
+    )
+    if not os.path.isfile(path):
+        print(f"writing {path} (once)")
+        if main(["quantize", model, path, "--type", file_type]) != 0:
+            raise SystemExit(f"pagoda bench offline: could not write {path}")
+    return path
+
+
 def _random_prompts(tokenizer, n: int, input_len: int, seed: int) -> list[list[int]]:
     import random
 
@@ -233,6 +298,7 @@ def _engine(args, model: str, caching: bool = True, jump_forward: bool = True):
             kv_cache_memory_gb=args.kv_cache_memory_gb,
             enable_jump_forward=jump_forward,
             jump_forward_max_running=args.jump_forward_max_running,
+            quantization=args.quantization,
         )
     )
 
@@ -264,11 +330,61 @@ def _run_pagoda(args, model: str, prompts: list[list[int]], output_len: int) -> 
     return RunResult("pagoda", elapsed, out_tokens, sum(map(len, prompts)), ttfts)
 
 
+def _run_llama_cpp(model: str, prompts: list[list[int]], output_len: int, threads: int) -> RunResult:
+    """llama-cpp-python on the same GGUF file: greedy, each prompt in its own context (llama.cpp
+    decodes one sequence per `Llama`; a batch runs its requests one after another), same threads."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemExit(
+            "pagoda bench offline: --baseline llama.cpp needs llama-cpp-python (pip install 'pagoda[llama-cpp]')"
+        ) from None
+    import numpy as np
+
+    width = max(map(len, prompts)) + output_len
+    llm = llama_cpp.Llama(
+        model_path=model,
+        n_ctx=width,
+        n_batch=min(width, 2048),
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+
+    def generate(prompt: list[int], n: int) -> tuple[int, float]:
+        """Greedy: the prompt in one eval (its end is the first token), then one eval per token."""
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        first = time.perf_counter() - start
+        for _ in range(n - 1):
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        return n, first
+
+    generate(prompts[0][:8], 2)  # warm-up
+    start = time.perf_counter()
+    out_tokens, ttfts = 0, []
+    for prompt in prompts:
+        begun = time.perf_counter() - start  # requests queue behind each other: TTFT counts the wait
+        count, ttft = generate(prompt, output_len)
+        out_tokens += count
+        ttfts.append(begun + ttft)
+    elapsed = time.perf_counter() - start
+    llm.close()
+    return RunResult("llama.cpp", elapsed, out_tokens, sum(map(len, prompts)), ttfts)
+
+
 def _run_transformers(model: str, dtype: str, prompts: list[list[int]], output_len: int) -> RunResult:
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    if model.lower().endswith(".gguf"):
+        folder, name = os.path.split(os.path.abspath(model))
+        hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype)).eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
     width = max(map(len, prompts))
     pad = 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])

@@ -147,7 +147,15 @@ class RadixCache:
             if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
                 heapq.heappush(heap, parent)
         self.num_evicted_blocks += freed
+        self._drop_empty_roots()
         return freed
+
+    def _drop_empty_roots(self) -> None:
+        """Forget the root of a cache salt once nothing is cached or locked under it (only its own
+        base lock is left), so that many distinct salts do not pile up roots."""
+        for salt, root in list(self._roots.items()):
+            if salt is not None and not root.children and root.lock_ref == 1:
+                del self._roots[salt]
 
     def reset(self) -> int:
         """Drop every unlocked entry (locked ones are in use and stay)."""

@@ -173,6 +173,10 @@ class AsyncLLM:
         return self.engine.vocab_size
 
     @property
+    def weight_format(self) -> str:
+        return self.engine.weight_format
+
+    @property
     def is_running(self) -> bool:
         return not self._closed
 
@@ -197,6 +201,7 @@ class AsyncLLM:
             raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts")
         grammar = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            self.engine.args.limits.check_structured(params.structured_outputs)  # before compiling
             # Compiled off the engine loop (and off the event loop): other requests keep running.
             future = await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)
             grammar = await asyncio.wrap_future(future)

@@ -36,7 +36,9 @@ class EngineCore:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, args.model)
         cache = args.cache_config()
-        self.runner = ModelRunner(args.model, self.dtype, self.device, cache.block_size, args.seed)
+        self.runner = ModelRunner(
+            args.model, self.dtype, self.device, cache.block_size, args.seed, quantization=args.quantization
+        )
         arch = self.runner.arch
         num_blocks = cache.num_kv_blocks or max(
             1, int(cache.kv_cache_memory_gb * 2**30) // self.runner.kv_bytes_per_block()

@@ -11,6 +11,7 @@ from pagoda.config import EngineArgs
 from pagoda.engine.core import EngineCore
 from pagoda.engine.input_processor import Prompt, tokenize_prompt
 from pagoda.engine.output_processor import OutputProcessor, RequestGroup, _Completion
+from pagoda.limits import check_context
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams, StructuredOutputs
@@ -36,6 +37,11 @@ class LLMEngine:
     def vocab_size(self) -> int:
         return self.core.runner.vocab_size
 
+    @property
+    def weight_format(self) -> str:
+        """What the weights are stored as, e.g. `GGUF MOSTLY_Q8_0: Q8_0 100%; 500.1 MiB of weights`."""
+        return self.core.runner.weight_format
+
     # ---- requests --------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict], **template_kwargs) -> list[int]:
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt=True, **template_kwargs)
@@ -58,14 +64,16 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.args.limits.check_request(prompt, params, self.max_model_len)
         text, prompt_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
+        check_context(len(prompt_ids), params.max_tokens, params.min_tokens, self.max_model_len)
         if params.structured_outputs is not None:
             if params.min_tokens:
                 raise ValueError("min_tokens cannot be combined with structured_outputs")
             grammar = grammar or self.compile_grammar(params.structured_outputs).result()
         params = dataclasses.replace(params, _eos_token_ids=self.eos_token_ids)
         room = self.max_model_len - len(prompt_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         children: list[Request] = []
         for i, cid in enumerate(child_ids):
@@ -104,7 +112,9 @@ class LLMEngine:
                     self.tokenizer,
                     vocab_size=self.vocab_size,
                     eos_token_ids=self.eos_token_ids,
-                    config=GrammarConfig(any_whitespace=False),
+                    config=GrammarConfig(
+                        any_whitespace=False, compile_timeout_s=self.args.limits.grammar_compile_timeout_s
+                    ),
                 )
             return self.core.grammars
 

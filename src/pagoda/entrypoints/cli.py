@@ -9,6 +9,7 @@ import sys
 # module -> it defines `register(subparsers)`, which adds its subcommand(s) with set_defaults(func=handler).
 _SUBCOMMAND_MODULES = (
     "pagoda.entrypoints.serve_cli",  # serve, generate, chat
+    "pagoda.entrypoints.quantize_cli",  # quantize
     "pagoda.bench.cli",  # bench offline / serve / sweep
     "pagoda.router.cli",  # router, launch
     "pagoda.entrypoints.info_cli",  # info

@@ -48,6 +48,9 @@ def register(subparsers: Any) -> None:
         help="buffer size of the bandwidth probe in MiB (default 512)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "model", nargs="?", default=None, help="also say how this model's weights are stored (a .gguf file)"
+    )
     p.set_defaults(func=run)
 
 
@@ -105,6 +108,10 @@ def collect(bandwidth: bool = False, bandwidth_mb: int | None = None) -> dict[st
         "threads": {"torch": torch.get_num_threads(), "cpus": os.cpu_count(), "cpus_usable": affinity},
         "env": {name: os.environ.get(name) for name in _ENV_VARS},
     }
+    if st.variant is not None:
+        from pagoda.kernels import cpu_quant
+
+        info["kernels"]["quantized_dot"] = cpu_quant.dot_kind()
     if bandwidth:
         from pagoda.kernels.bandwidth import DEFAULT_BUFFER_MB, measure_read_bandwidth
 
@@ -131,6 +138,7 @@ def format_text(info: dict[str, Any]) -> str:
             else "unknown (no /proc/cpuinfo)"
         ),
         f"kernel variant  {k['description']}",
+        f"quantized dot   {k.get('quantized_dot') or 'none (dequantize + F.linear)'}",
         f"variants here   {', '.join(k['supported_variants']) or 'none'}",
         f"compiler        {info['compiler'] or 'none found'}",
         f"threads         torch {t['torch']}, {t['cpus']} CPUs ({t['cpus_usable']} usable by this process)",
@@ -149,5 +157,26 @@ def run(args: argparse.Namespace) -> int:
         print("pagoda info: --bandwidth-mb must be >= 1", file=sys.stderr)
         return 2
     info = collect(args.bandwidth or args.bandwidth_mb is not None, args.bandwidth_mb)
-    print(json.dumps(info, indent=2) if args.json else format_text(info))
+    text = format_text(info)
+    if args.model is not None:
+        try:
+            info["model_format"] = _model_format(args.model)
+        except ValueError as exc:
+            print(f"pagoda info: error: {exc}", file=sys.stderr)
+            return 2
+        text += f"\nmodel weights   {info['model_format']}"
+    print(json.dumps(info, indent=2) if args.json else text)
     return 0
+
+
+def _model_format(model: str) -> str:
+    """How a model's weights are stored, from its files alone (nothing is loaded)."""
+    from pagoda.quant.gguf_file import GGUFFile, is_gguf_path
+
+    if is_gguf_path(model):
+        return GGUFFile(model).describe()
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{model!r} is neither a .gguf file nor a model folder with config.json")
+    hf = json.loads(config.read_text(encoding="utf-8"))
+    return f"safetensors {hf.get('torch_dtype') or hf.get('dtype') or 'float32'}"

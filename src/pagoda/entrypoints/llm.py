@@ -12,6 +12,7 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.kernels import build as cpu_kernels
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer.chat import apply_chat_template
 
 Messages = list[dict]
 
@@ -55,11 +56,31 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
         cache_salt: str | None = None,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **chat_template_kwargs,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them (lists of {role, content})."""
+        """Generate replies to one conversation or a list of them (lists of {role, content}).
+
+        ``tools`` are OpenAI function tools (``{"type": "function", "function": {"name",
+        "description", "parameters"}}``) for the chat template to render; history messages may
+        carry assistant ``tool_calls`` (``arguments`` as JSON text or objects) and ``tool``
+        results. The replies are the raw text (the server parses calls out of it)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.chat_prompt(conv, **chat_template_kwargs) for conv in conversations]
+        if tools is not None:
+            chat_template_kwargs["tools"] = _checked_tools(tools)
+        if continue_final_message:
+            chat_template_kwargs["continue_final_message"] = True
+        prompts = [
+            apply_chat_template(
+                self.engine.tokenizer,
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                **chat_template_kwargs,
+            )
+            for conv in conversations
+        ]
         return self._run(prompts, _broadcast(sampling_params, len(prompts)), use_tqdm, cache_salt)
 
     def reset_prefix_cache(self) -> int:
@@ -83,6 +104,25 @@ class LLM:
                         results[out.request_id] = out
                         bar.update(1)
         return [results[i] for i in ids]
+
+
+def _checked_tools(tools: object) -> list[dict]:
+    """OpenAI function tools, each checked as the server checks them (ValueError naming the bad one)."""
+    from pydantic import ValidationError
+
+    from pagoda.entrypoints.openai.protocol import ChatTool
+
+    if not isinstance(tools, list):
+        raise ValueError(f"tools must be a list of function tools, got {type(tools).__name__}")
+    checked = []
+    for i, tool in enumerate(tools):
+        try:
+            checked.append(ChatTool.model_validate(tool).to_dict())
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise ValueError(f"tools[{i}]{'.' + where if where else ''}: {err['msg']}") from None
+    return checked
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

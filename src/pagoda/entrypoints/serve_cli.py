@@ -4,13 +4,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
+
+from pagoda.limits import (
+    DEFAULT_MAX_BODY_SIZE,
+    RequestLimits,
+)  # stdlib-only imports: keeps `pagoda --help` fast
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # Flags that map one to one onto EngineArgs fields (the dest is the field name).
 _ENGINE_FIELDS = (
     "tokenizer",
+    "quantization",
     "dtype",
     "device",
     "seed",
@@ -63,6 +70,40 @@ def register(subparsers: Any) -> None:
         default=None,
         help="start N engine processes on ports PORT+1.. and a router on PORT in front of them",
     )
+    group.add_argument(
+        "--max-body-size",
+        type=int,
+        default=DEFAULT_MAX_BODY_SIZE,
+        help=f"largest request body in bytes; larger ones get a 413 ({DEFAULT_MAX_BODY_SIZE})",
+    )
+    chat = serve.add_argument_group("chat")
+    chat.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "mistral", "qwen3_xml", "none"),
+        default=None,
+        help="how the model writes tool calls (default: chosen from the chat template; none: calls are "
+        "not parsed)",
+    )
+    chat.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM command lines; pagoda always serves tool_choice auto when it parses calls",
+    )
+    chat.add_argument(
+        "--reasoning-parser",
+        choices=("qwen3", "deepseek_r1", "none"),
+        default=None,
+        help="split <think> reasoning into reasoning_content (default: when the chat template has <think>)",
+    )
+    chat.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="chat template variables for every request, e.g. '{\"enable_thinking\": false}' "
+        "(a request's chat_template_kwargs win)",
+    )
+    _add_limit_args(serve)
     _add_engine_args(serve)
     serve.set_defaults(func=_run_serve)
 
@@ -92,14 +133,25 @@ def register(subparsers: Any) -> None:
 
 def _add_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model", nargs="?", default=None, help="Hugging Face model folder (default: the built-in demo model)"
+        "model",
+        nargs="?",
+        default=None,
+        help="Hugging Face model folder or .gguf file (default: the built-in demo model)",
     )
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     from_defaults = _engine_defaults()
     group = parser.add_argument_group("engine")
-    group.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL)")
+    group.add_argument(
+        "--tokenizer", default=None, help="tokenizer folder (default: MODEL, or a GGUF file's own tokenizer)"
+    )
+    group.add_argument(
+        "--quantization",
+        choices=("q8_0", "q4_0", "q4_k"),
+        default=None,
+        help="quantize a safetensors model's weights at load (default: keep them as stored)",
+    )
     group.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default auto)")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     group.add_argument("--seed", type=int, default=from_defaults["seed"], help="engine random seed (0)")
@@ -157,6 +209,43 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_LIMIT_HELP = {
+    "max_n": "samples per prompt (n)",
+    "max_sequences": "sequences one request adds: prompts x n",
+    "max_logprobs": "logprobs / top_logprobs (at most 20, as OpenAI)",
+    "max_stop": "entries of stop, and of stop_token_ids",
+    "max_stop_chars": "characters of one stop string",
+    "max_logit_bias": "logit_bias entries",
+    "max_messages": "chat messages in one request",
+    "max_prompt_chars": "prompt characters, checked before tokenizing (default: 64 x max-model-len)",
+    "max_grammar_chars": "characters of a JSON schema (compact JSON), regex, grammar or all choices",
+    "max_grammar_depth": "nesting of a JSON schema, or of groups in a regex or grammar",
+    "grammar_compile_timeout_s": "seconds a structured-output grammar may take to compile",
+}
+# The flag of each RequestLimits field: the field name with dashes (the _s unit suffix dropped).
+_LIMIT_FLAGS = {name: "--" + name.removesuffix("_s").replace("_", "-") for name in _LIMIT_HELP}
+
+
+def _add_limit_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("request limits (a request over one gets a 400 naming it)")
+    defaults = RequestLimits()
+    for name, help_text in _LIMIT_HELP.items():
+        default = getattr(defaults, name)
+        kind = float if name.endswith("_s") else int
+        shown = "" if default is None else f" ({default:g})" if kind is float else f" ({default})"
+        metavar = "S" if kind is float else "N"
+        group.add_argument(
+            _LIMIT_FLAGS[name], dest=name, type=kind, default=default, metavar=metavar, help=help_text + shown
+        )
+
+
+def _request_limits(args: argparse.Namespace) -> RequestLimits:
+    """The limits given on the command line (`serve`); the defaults for commands without the flags."""
+    return RequestLimits(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits) if hasattr(args, f.name)}
+    )
+
+
 def _engine_defaults() -> dict[str, Any]:
     # EngineArgs imports torch; the few numeric defaults are repeated here and checked by a test.
     return {
@@ -186,6 +275,18 @@ def _add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> N
 DEMO_MODEL_NAME = "pagoda-demo"
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def _fail(command: str, message: str) -> int:
     print(f"pagoda {command}: error: {message}", file=sys.stderr)
     return 2
@@ -204,7 +305,8 @@ def _resolve_model(args: argparse.Namespace) -> str:
 def _engine_args(args: argparse.Namespace, model: str):
     from pagoda.config import EngineArgs
 
-    return EngineArgs(model=model, **{name: getattr(args, name) for name in _ENGINE_FIELDS})
+    fields = {name: getattr(args, name) for name in _ENGINE_FIELDS}
+    return EngineArgs(model=model, limits=_request_limits(args), **fields)
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -242,6 +344,10 @@ def _run_serve(args: argparse.Namespace) -> int:
             max_waiting_requests=args.max_waiting_requests,
             shutdown_timeout_s=args.shutdown_timeout,
             log_level=args.log_level,
+            max_body_size=args.max_body_size,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+            default_chat_template_kwargs=args.default_chat_template_kwargs or {},
         )
     except (ValueError, OSError, ImportError) as exc:
         return _fail("serve", str(exc))
@@ -271,7 +377,10 @@ def _launch_replicas(args: argparse.Namespace, model: str, config: Any) -> int:
             base_port=args.port + 1,
             router_host=args.host,
             router_port=args.port,
-            router_overrides={"api_key": api_key} if api_key else None,
+            router_overrides={
+                "max_body_size": args.max_body_size,
+                **({"api_key": api_key} if api_key else {}),
+            },
             log_level=args.log_level,
         )
     except ValueError as exc:
@@ -281,15 +390,30 @@ def _launch_replicas(args: argparse.Namespace, model: str, config: Any) -> int:
 def _replica_flags(args: argparse.Namespace) -> list[str]:
     """`pagoda serve` flags that give each replica this command's engine settings (the router in
     front checks the API key; the replicas listen on loopback ports without one)."""
+    import json
+
     flags: list[str] = []
-    names = [*_ENGINE_FIELDS, "served_model_name", "max_waiting_requests", "shutdown_timeout", "log_level"]
+    names = [
+        *_ENGINE_FIELDS,
+        "served_model_name",
+        "max_waiting_requests",
+        "shutdown_timeout",
+        "log_level",
+        "tool_call_parser",
+        "reasoning_parser",
+    ]
+    names += ["max_body_size", *_LIMIT_FLAGS]
     for name in names:
         value = getattr(args, name)
-        flag = "--" + name.replace("_", "-")
+        flag = _LIMIT_FLAGS.get(name) or "--" + name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
         elif value is not None:
             flags += [flag, str(value)]
+    if args.enable_auto_tool_choice:
+        flags.append("--enable-auto-tool-choice")
+    if args.default_chat_template_kwargs:
+        flags += ["--default-chat-template-kwargs", json.dumps(args.default_chat_template_kwargs)]
     return flags
 
 

@@ -2,9 +2,12 @@
 
 `PackedLinear` fuses several checkpoint projections into one GEMM (q/k/v → qkv_proj,
 gate/up → gate_up_proj): each checkpoint tensor names its shard and is copied into its rows.
-After loading, `process_weights_after_loading` repacks bf16 CPU weights for the native kernel
-(`pagoda.kernels.cpu_gemm`) where it runs; the layer then owns a `PackedWeight` instead of its
-`weight` and `bias` parameters.
+Weights come in the weight format in effect while the layer is built (`pagoda.quant.methods`:
+dense float, a GGUF file's tensors, or quantized at load). After loading,
+`process_weights_after_loading` hands the weight to its format: one that stays quantized becomes
+a `QuantLinear`; a dense bf16 CPU weight is repacked for the native kernel
+(`pagoda.kernels.cpu_gemm`) where it runs. Either then replaces the `weight` and `bias` parameters
+as the layer's `packed` weight.
 """
 
 from __future__ import annotations
@@ -17,19 +20,26 @@ from torch import nn
 
 from pagoda.kernels import cpu_gemm
 from pagoda.layers.precision import upcast_to_fp32
+from pagoda.quant.linear import QuantLinear
+from pagoda.quant.methods import current_weight_format, is_placeholder, load_rows
+from pagoda.quant.tensor import GGMLTensor
 
 ShardId = str | int
 
 
-def _copy_checked(target: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
-    if tuple(target.shape) != tuple(loaded.shape):
-        raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != expected {tuple(target.shape)}")
-    target.copy_(loaded)
-
-
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    """Copy a whole checkpoint tensor into `param` (casting dtype and device)."""
-    _copy_checked(param.data, loaded, "parameter")
+    """Copy a whole checkpoint tensor into `param` (casting dtype and device); a weight in a
+    GGUF placeholder keeps it as it is."""
+    if is_placeholder(param):
+        load_rows(param, loaded, 0, param.logical_shape[0], "parameter")
+        return
+    if isinstance(loaded, GGMLTensor):
+        loaded = loaded.dequantize()
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"parameter: checkpoint shape {tuple(loaded.shape)} != expected {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -46,23 +56,48 @@ def new_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return param
 
 
+def weight_parameter(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
+    """A `[rows, cols]` weight matrix in the weight format in effect (see pagoda.quant.methods)."""
+    param = current_weight_format().weight_parameter(rows, cols, dtype)
+    param.weight_loader = default_weight_loader
+    return param
+
+
+def apply_packed(
+    x: torch.Tensor, packed: cpu_gemm.PackedWeight | QuantLinear, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    if isinstance(packed, QuantLinear):
+        return packed(x, out_dtype)
+    return cpu_gemm.linear(x, packed, out_dtype=out_dtype)
+
+
 class LinearBase(nn.Module):
     """`y = x W^T + b`; after loading, the weight may move into the kernel's packed layout."""
 
     # Pack a `[gate; up]` weight so that the kernel returns silu(gate) * up (see GateUpLinear).
     _swiglu = False
-    packed: cpu_gemm.PackedWeight | None = None
+    packed: cpu_gemm.PackedWeight | QuantLinear | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight_format = current_weight_format()
 
     def process_weights_after_loading(self) -> None:
-        if self.weight is None or not cpu_gemm.applies_to(self.weight):
+        if self.weight is None:
             return
-        self.packed = cpu_gemm.pack(self.weight, self.bias, swiglu=self._swiglu)
-        self.weight = None  # the packed copy replaces the parameters
+        quantized = self.weight_format.process_linear(self.weight, self.bias, self._swiglu)
+        if quantized is not None:
+            self.packed = quantized
+        elif cpu_gemm.applies_to(self.weight):
+            self.packed = cpu_gemm.pack(self.weight, self.bias, swiglu=self._swiglu)
+        else:
+            return
+        self.weight = None  # the packed (or quantized) weight replaces the parameters
         self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return cpu_gemm.linear(x, self.packed)
+            return apply_packed(x, self.packed)
         return linear(x, self.weight, self.bias)
 
 
@@ -73,7 +108,7 @@ class Linear(LinearBase):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = new_parameter(out_features, in_features, dtype=dtype)
+        self.weight = weight_parameter(out_features, in_features, dtype)
         self.bias = new_parameter(out_features, dtype=dtype) if bias else None
 
 
@@ -104,11 +139,14 @@ class PackedLinear(LinearBase):
             offset += size
         self.out_features = offset
         self.output_sizes = [size for _, size in shards]
-        self.weight = self._packed_parameter(offset, in_features, dtype=dtype)
-        self.bias = self._packed_parameter(offset, dtype=dtype) if bias else None
+        self.weight = self._sharded(weight_parameter(offset, in_features, dtype))
+        self.bias = (
+            self._sharded(nn.Parameter(torch.empty(offset, dtype=dtype), requires_grad=False))
+            if bias
+            else None
+        )
 
-    def _packed_parameter(self, *shape: int, dtype: torch.dtype) -> nn.Parameter:
-        param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    def _sharded(self, param: nn.Parameter) -> nn.Parameter:
         param.weight_loader = self.weight_loader
         param.shard_ids = tuple(self.shard_slices)
         return param
@@ -117,7 +155,7 @@ class PackedLinear(LinearBase):
         if shard_id not in self.shard_slices:
             raise ValueError(f"unknown shard {shard_id!r}; expected one of {list(self.shard_slices)}")
         offset, size = self.shard_slices[shard_id]
-        _copy_checked(param.data.narrow(0, offset, size), loaded, f"shard {shard_id!r}")
+        load_rows(param, loaded, offset, size, f"shard {shard_id!r}")
 
 
 class GateUpLinear(PackedLinear):
@@ -133,6 +171,6 @@ class GateUpLinear(PackedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`silu(x G^T + b_g) * (x U^T + b_u)`, `[..., intermediate_size]`."""
         if self.packed is not None:
-            return cpu_gemm.linear(x, self.packed)
+            return apply_packed(x, self.packed)
         gate_up = linear(x, self.weight, self.bias)
         return F.silu(gate_up[..., : self.intermediate_size]) * gate_up[..., self.intermediate_size :]

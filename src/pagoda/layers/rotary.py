@@ -1,6 +1,8 @@
 """Rotary position embedding (rotate-half layout) with a precomputed cos/sin table.
 
-Supported frequency schedules: `default` and `llama3` (Llama 3.1 long-context scaling).
+Supported frequency schedules: `default` and `llama3` (Llama 3.1 long-context scaling); a
+`default` schedule may divide each frequency by a factor (GGUF files store llama3 scaling as
+these `rope_freqs` factors).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class RopeConfig:
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     original_max_position_embeddings: int | None = None
+    # default only: inverse frequency i is divided by freq_factors[i] (one per rotated pair).
+    freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
@@ -39,6 +43,11 @@ class RopeConfig:
             "high_freq_factor": self.high_freq_factor,
             "original_max_position_embeddings": self.original_max_position_embeddings,
         }
+        if self.freq_factors is not None:
+            if self.rope_type != "default":
+                raise ValueError(f"rope type {self.rope_type!r} takes no freq_factors")
+            if not self.freq_factors or not all(f > 0 for f in self.freq_factors):
+                raise ValueError("rope freq_factors must be a non-empty list of positive numbers")
         if self.rope_type == "llama3":
             missing = [name for name, value in llama3_fields.items() if value is None]
             if missing:
@@ -60,6 +69,10 @@ class RopeConfig:
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """float32 `[head_dim // 2]` inverse frequencies, computed as transformers does."""
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if rope.freq_factors is not None:
+        if len(rope.freq_factors) != head_dim // 2:
+            raise ValueError(f"rope has {len(rope.freq_factors)} freq_factors for head_dim {head_dim}")
+        return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type == "default":
         return inv_freq
     old_len = rope.original_max_position_embeddings

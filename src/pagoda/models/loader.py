@@ -1,4 +1,8 @@
-"""Build a model from a HF checkpoint folder (config.json + safetensors)."""
+"""Build a model from a HF checkpoint folder (config.json + safetensors) or a GGUF file.
+
+The weight format (`pagoda.quant.methods`) is chosen here, before the model is built: dense for
+safetensors, GGUF tensors as stored for a GGUF file, or `quantization` at load time.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,11 @@ from safetensors import SafetensorError, safe_open
 
 from pagoda.attention.backend import get_attention_backend
 from pagoda.models.base import CausalLM
+from pagoda.models.gguf import iter_gguf_checkpoint, parse_gguf_config
 from pagoda.models.hf_config import parse_hf_config, read_hf_config
+from pagoda.models.weight_report import weight_report
+from pagoda.quant.gguf_file import GGUFFile, is_gguf_path
+from pagoda.quant.methods import GGUFFormat, WeightFormat, load_time_format, use_weight_format
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SINGLE_FILE = "model.safetensors"
@@ -23,17 +31,35 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     attention_backend: str = "torch",
+    quantization: str | None = None,
 ) -> CausalLM:
-    """Instantiate the architecture named in `config.json` and load its safetensors weights."""
+    """Instantiate the architecture named in `config.json` and load its safetensors weights
+    (quantized to `quantization` at load if given), or those of a `.gguf` file."""
     if dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(map(str, _SUPPORTED_DTYPES))}")
     backend = get_attention_backend(attention_backend)
-    family, config = parse_hf_config(read_hf_config(model_dir))
-    files = checkpoint_files(model_dir)
-    with torch.device(device):
+    fmt: WeightFormat
+    if is_gguf_path(model_dir):
+        if quantization is not None:
+            raise ValueError(
+                "quantization applies to safetensors checkpoints; a GGUF file keeps its own types"
+            )
+        gguf_file = GGUFFile(model_dir)
+        family, config = parse_gguf_config(gguf_file)
+        weights = iter_gguf_checkpoint(gguf_file, config)
+        fmt = GGUFFormat()
+        source = f"GGUF {gguf_file.file_type}"
+    else:
+        family, config = parse_hf_config(read_hf_config(model_dir))
+        weights = iter_checkpoint(checkpoint_files(model_dir))
+        fmt = WeightFormat() if quantization is None else load_time_format(quantization)
+        source = "safetensors" if quantization is None else f"safetensors quantized to {quantization} at load"
+    with torch.device(device), use_weight_format(fmt):
         model = family.model_cls(config, backend, dtype)
-    model.load_weights(iter_checkpoint(files))
+    model.load_weights(weights)
     model.process_weights_after_loading()
+    # e.g. "GGUF MOSTLY_Q4_K_M: Q4_K 71%, Q6_K 17%, ...; 380.2 MiB of weights"
+    model.weight_format = f"{source}: {weight_report(model).describe()}"
     return model.eval()
 
 

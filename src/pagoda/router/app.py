@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagoda.http_body import BodySizeLimit
 from pagoda.router.backends import Backend, BackendPool
 from pagoda.router.config import RouterConfig
 from pagoda.router.errors import error_response
@@ -96,12 +97,21 @@ def create_app(config: RouterConfig) -> FastAPI:
                     await task
                 state.proxy.client = None
 
-    app = FastAPI(title="pagoda router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="pagoda router",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_body_size)
     app.state.router = state
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        code = getattr(exc, "code", None) or {404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code
+        )
         headers = {**(exc.headers or {}), "x-request-id": request_id_of(request)}
         return error_response(exc.status_code, str(exc.detail), code, headers=headers)
 
@@ -109,7 +119,11 @@ def create_app(config: RouterConfig) -> FastAPI:
         if config.api_key is None:
             return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), config.api_key):
+        # Constant time, on bytes (compare_digest refuses non-ASCII str: a 500 otherwise): the header
+        # as sent (ASGI decodes it as latin-1), the key as UTF-8.
+        if scheme.lower() == "bearer" and secrets.compare_digest(
+            token.strip().encode("latin-1"), config.api_key.encode()
+        ):
             return None
         return error_response(
             401,

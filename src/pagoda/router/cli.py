@@ -47,6 +47,12 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         help="longest silence from a backend mid-response, seconds (600)",
     )
     parser.add_argument("--seed", type=int, default=None, help="random seed of the power-of-two policy")
+    parser.add_argument(
+        "--max-body-size",
+        type=int,
+        default=None,
+        help="largest request body in bytes; larger get a 413 (16777216)",
+    )
     parser.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
 
 
@@ -101,6 +107,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "connect_timeout": "connect_timeout_s",
         "read_timeout": "read_timeout_s",
         "seed": "seed",
+        "max_body_size": "max_body_size",
     }
     overrides: dict[str, Any] = {
         key: getattr(args, flag) for flag, key in mapping.items() if getattr(args, flag) is not None

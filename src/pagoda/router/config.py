@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from pagoda.limits import DEFAULT_MAX_BODY_SIZE
 from pagoda.router.policies import DEFAULT_POLICY, POLICIES, CacheAwareConfig
 
 
@@ -63,6 +64,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0  # connecting to a backend slower than this fails (and is retried)
     read_timeout_s: float = 600.0  # longest silence allowed between two pieces of a backend's response
     seed: int | None = None  # random seed of the power-of-two policy
+    max_body_size: int = DEFAULT_MAX_BODY_SIZE  # bytes; a larger request body gets a 413
 
     def __post_init__(self) -> None:
         if not isinstance(self.backends, tuple | list) or not self.backends:
@@ -91,6 +93,12 @@ class RouterConfig:
             _check_positive(name, getattr(self, name))
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if (
+            not isinstance(self.max_body_size, int)
+            or isinstance(self.max_body_size, bool)
+            or self.max_body_size < 1
+        ):
+            raise ValueError(f"max_body_size must be an integer >= 1 (bytes), got {self.max_body_size!r}")
 
 
 _BACKEND_SPEC_KEYS = ("model", "api_key")

@@ -8,7 +8,6 @@ come, and a backend failure ends the stream with an OpenAI-shaped error event, n
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +19,7 @@ from fastapi import Request, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagoda.http_body import BodyError, parse_json_body
 from pagoda.router.backends import Backend, BackendPool
 from pagoda.router.errors import error_response, is_openai_error, sse_error_event
 from pagoda.router.metrics import RouterMetrics
@@ -167,11 +167,11 @@ class Proxy:
         """Route one POST to `request.url.path` on a backend; `endpoint` is "chat" or "completion"."""
         started = time.perf_counter()
         headers = {"x-request-id": request_id}
-        body = await request.body()
+        body = await request.body()  # at most max_body_size bytes: the app answers 413 beyond
         try:
-            payload = json.loads(body)
-        except ValueError:
-            return error_response(400, "the request body is not valid JSON", "invalid_json", headers)
+            payload = parse_json_body(body)  # invalid UTF-8, lone surrogates, NaN: 400 naming the field
+        except BodyError as exc:
+            return error_response(400, str(exc), "invalid_json", headers, exc.param)
         if not isinstance(payload, dict):
             return error_response(400, "the request body must be a JSON object", "invalid_json", headers)
         known = self.pool.known_models()

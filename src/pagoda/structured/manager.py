@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +17,7 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from pagoda.sampling_params import StructuredOutputs
+from pagoda.structured.compile_pool import CompilePool, GrammarBusyError
 from pagoda.structured.interface import CompiledGrammar, GrammarBackend, GrammarMatcher
 from pagoda.structured.jump_forward import JumpForward
 from pagoda.structured.spec import SpecKey, spec_key
@@ -27,13 +28,15 @@ from pagoda.structured.xgrammar_backend import XGrammarBackend
 class GrammarConfig:
     """Structured-output settings. ``compile_workers`` threads compile grammars off the engine loop; the
     ``cache_size`` most recently used compiled grammars are kept; ``fill_threads`` > 1 fills the batch
-    bitmask in parallel; ``any_whitespace=False`` forbids free whitespace in JSON output."""
+    bitmask in parallel; ``any_whitespace=False`` forbids free whitespace in JSON output. A compile
+    taking longer than ``compile_timeout_s`` fails (see ``compile_pool``)."""
 
     backend: str = "xgrammar"
     any_whitespace: bool = True
     compile_workers: int = 1
     cache_size: int = 256
     fill_threads: int = 1
+    compile_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.backend not in _BACKENDS:
@@ -42,6 +45,8 @@ class GrammarConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GrammarConfig.{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.compile_timeout_s, int | float) and self.compile_timeout_s > 0):
+            raise ValueError(f"GrammarConfig.compile_timeout_s must be > 0, got {self.compile_timeout_s!r}")
 
 
 def _xgrammar(
@@ -75,6 +80,7 @@ class GrammarManager:
         encode: Callable[[str], Sequence[int]] | None = None,
         compile_workers: int = 1,
         cache_size: int = 256,
+        compile_timeout_s: float = 30.0,
     ) -> None:
         if compile_workers < 1 or cache_size < 1:
             raise ValueError(
@@ -84,7 +90,8 @@ class GrammarManager:
         self._cache: OrderedDict[SpecKey, Future[CompiledGrammar]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=compile_workers, thread_name_prefix="pagoda-grammar")
+        # At most compile_workers grammars past their deadline may burn CPU at a time.
+        self._pool = CompilePool(compile_workers, compile_timeout_s, max_abandoned=compile_workers)
         self._jump_forward = (
             JumpForward(encode, backend.token_bytes, backend.vocab_size) if encode is not None else None
         )
@@ -107,6 +114,7 @@ class GrammarManager:
             encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
             compile_workers=config.compile_workers,
             cache_size=config.cache_size,
+            compile_timeout_s=config.compile_timeout_s,
         )
 
     @property
@@ -124,7 +132,9 @@ class GrammarManager:
 
         A malformed spec (schema not JSON, not a valid JSON Schema) raises ValueError here; a spec the
         backend cannot compile (bad regex, bad grammar, unsupported schema) makes the Future raise
-        ValueError. The same spec (dict schemas up to key order) returns the same Future while cached.
+        ValueError (``GrammarTimeoutError`` past the compile timeout; ``GrammarBusyError``, not cached,
+        while too many timed-out compiles still run). The same spec (dict schemas up to key order)
+        returns the same Future while cached.
         """
         key = spec_key(spec)
         with self._lock:
@@ -132,7 +142,9 @@ class GrammarManager:
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-            future = self._executor.submit(self._backend.compile, spec)
+            future = self._pool.submit(self._backend.compile, spec)
+            if future.done() and isinstance(future.exception(), GrammarBusyError):
+                return future  # refused for now, not a property of the spec: not cached
             self._cache[key] = future
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
@@ -184,5 +196,10 @@ class GrammarManager:
             raise ValueError("jump-forward needs the tokenizer: build the manager with encode=...")
         return self._jump_forward(matcher, output_token_ids, max_tokens)
 
+    def wait_for_compiles(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for compiles still running (xgrammar cannot interrupt them, and
+        a process must not exit in the middle of one); True if none is left."""
+        return self._pool.wait(timeout_s)
+
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()

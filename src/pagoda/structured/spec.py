@@ -31,7 +31,50 @@ def parse_json_schema(schema: dict[str, Any] | str) -> dict[str, Any]:
         raise ValueError(
             f"structured_outputs.json is not a valid JSON schema at {where}: {e.message}"
         ) from None
+    except RecursionError:  # RequestLimits bounds nesting; this is the last line of defence
+        raise ValueError("structured_outputs.json is nested too deeply") from None
+    _check_local_refs(schema)
     return schema
+
+
+_REF_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
+def _check_local_refs(schema: dict[str, Any]) -> None:
+    """Only references into the schema itself ('#...'): a schema must never make the server read a
+    file or fetch a URL, and xgrammar would silently treat an unresolved reference as any value."""
+    stack: list[Any] = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for keyword in _REF_KEYWORDS:
+                ref = item.get(keyword)
+                if isinstance(ref, str) and not ref.startswith("#"):
+                    raise ValueError(
+                        f"structured_outputs: {keyword} {ref!r:.200} is not a reference into the schema "
+                        "itself ('#/...'); schemas are never read from files or URLs"
+                    )
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def parse_structural_tag(tag: dict[str, Any] | str) -> dict[str, Any]:
+    """The structural tag as a dict ``{"type": "structural_tag", "format": {...}}``; its formats are
+    checked when it is compiled."""
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from None
+    if not isinstance(tag, dict):
+        raise ValueError(f"structured_outputs.structural_tag must be a JSON object, got {type(tag).__name__}")
+    if tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), dict):
+        raise ValueError(
+            'structured_outputs.structural_tag must be {"type": "structural_tag", "format": {...}}'
+        )
+    _check_local_refs(tag)  # the JSON schemas in its formats
+    return tag
 
 
 def spec_key(spec: StructuredOutputs) -> SpecKey:
@@ -40,6 +83,13 @@ def spec_key(spec: StructuredOutputs) -> SpecKey:
     if spec.json is not None:
         canonical = json.dumps(
             parse_json_schema(spec.json), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        )
+    elif spec.structural_tag is not None:
+        canonical = json.dumps(
+            parse_structural_tag(spec.structural_tag),
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=False,
         )
     elif spec.choice is not None:
         canonical = json.dumps(list(spec.choice), ensure_ascii=False)

@@ -13,7 +13,8 @@ So we rewrite the grammar text xgrammar prints: every class drops the surrogates
 replaced by the EBNF of ``xgr.Grammar.from_regex`` (for a JSON string, with ``"``, ``\\`` and control
 characters written as JSON escapes), a literal with a surrogate is an error, and so are constructs that
 emit the bytes of arbitrary tokens (``TagDispatch``, ``ExcludeToken``, ...); ``Token(i)`` stays when
-token ``i`` is valid UTF-8 by itself. The grammar then only allows whole, valid characters.
+token ``i`` is valid UTF-8 by itself. The grammar then only allows whole, valid characters. Structural
+tags keep their free text (``TagDispatch``: the model's own text between constrained parts).
 """
 
 from __future__ import annotations
@@ -150,6 +151,25 @@ def _read_class(text: str, i: int) -> tuple[_Class, int]:
         ranges.append((lo, hi))
 
 
+def _call_end(ebnf: str, i: int) -> int:
+    """The index of the ")" closing the call opened at ``ebnf[i]`` (nested parentheses and string
+    literals, as TagDispatch's arguments have, are skipped)."""
+    depth = 0
+    while i < len(ebnf):
+        c = ebnf[i]
+        if c == '"':
+            _, i = _read_string(ebnf, i + 1)
+            continue
+        if c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    raise ValueError("unterminated builtin call (...) in the grammar text")
+
+
 def _segments(ebnf: str) -> Iterator[_Segment]:
     """Split printed EBNF into literals, classes, identifiers, builtin calls and the text between."""
     i = start = 0
@@ -180,9 +200,7 @@ def _segments(ebnf: str) -> Iterator[_Segment]:
                 yield _Regex("".join(map(chr, codepoints)), _REGEX_ARGS[args])
                 i += len(args)
             else:
-                close = ebnf.find(")", i)
-                if close < 0:
-                    raise ValueError(f"unterminated {name}(...) in the grammar text")
+                close = _call_end(ebnf, i)
                 yield _Call(name, ebnf[match.start() : close + 1])
                 i = close + 1
         start = i
@@ -277,9 +295,10 @@ def _json_escape(codepoint: int) -> tuple[int, ...]:
 class _Rewriter:
     """One rewrite of one printed grammar; new rules (expanded regexes, JSON escapes) go at the end."""
 
-    def __init__(self, ebnf: str, token_bytes: Sequence[bytes]) -> None:
+    def __init__(self, ebnf: str, token_bytes: Sequence[bytes], allow_free_text: bool) -> None:
         self._ebnf = ebnf
         self._token_bytes = token_bytes
+        self._allow_free_text = allow_free_text
         self._taken = set(_RULE_NAME.findall(ebnf))
         self._new_rules: list[str] = []
         self._escape_rules: dict[Ranges, str] = {}
@@ -313,6 +332,11 @@ class _Rewriter:
             return "(" + self._expand_regex(segment) + ")"
         if segment.name == "Token":
             self._check_tokens(segment.text)
+            return segment.text
+        if segment.name == "TagDispatch" and self._allow_free_text:
+            for inner in _segments(segment.text[len("TagDispatch(") : -1]):
+                if isinstance(inner, _String) and _has_surrogate(inner.codepoints):
+                    raise ValueError("a structural tag string contains a UTF-16 surrogate (U+D800-U+DFFF)")
             return segment.text
         raise ValueError(
             f"{segment.name}(...) is not supported in structured output: it emits the bytes of arbitrary "
@@ -380,19 +404,27 @@ class _Rewriter:
                 ) from None
 
 
-def valid_utf8_ebnf(ebnf: str, token_bytes: Sequence[bytes] = ()) -> tuple[str, bool]:
+def valid_utf8_ebnf(
+    ebnf: str, token_bytes: Sequence[bytes] = (), *, allow_free_text: bool = False
+) -> tuple[str, bool]:
     """Rewrite grammar text, as ``str(xgr.Grammar)`` prints it, to allow only valid UTF-8.
 
     Returns the new text (literals and classes written with fixed-width escapes, which xgrammar reads back
     exactly) and whether the grammar changed beyond that. ``token_bytes[i]`` are token ``i``'s bytes, for
     ``Token(...)``. Raises ValueError for a literal with a surrogate, a class of nothing but surrogates,
     an invalid regex in a ``Regex`` rule, or a construct that emits arbitrary bytes.
+
+    ``allow_free_text`` keeps ``TagDispatch`` (the free text of a structural tag: any tokens until a
+    trigger or an end string). Free text is the model's own unconstrained text, which may split a
+    character over tokens as unconstrained output does; everything around it stays valid UTF-8.
     """
-    rewriter = _Rewriter(ebnf, token_bytes)
+    rewriter = _Rewriter(ebnf, token_bytes, allow_free_text)
     return rewriter.rewrite(), rewriter.changed
 
 
-def valid_utf8_grammar(grammar: xgr.Grammar, token_bytes: Sequence[bytes] = ()) -> xgr.Grammar:
+def valid_utf8_grammar(
+    grammar: xgr.Grammar, token_bytes: Sequence[bytes] = (), *, allow_free_text: bool = False
+) -> xgr.Grammar:
     """``grammar`` restricted to valid UTF-8 (the same object if it needs no change); see ``valid_utf8_ebnf``."""
-    ebnf, changed = valid_utf8_ebnf(str(grammar), token_bytes)
+    ebnf, changed = valid_utf8_ebnf(str(grammar), token_bytes, allow_free_text=allow_free_text)
     return xgr.Grammar.from_ebnf(ebnf) if changed else grammar

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -11,7 +13,8 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from pagoda.sampling_params import StructuredOutputs
-from pagoda.structured.spec import choice_grammar, is_ebnf, parse_json_schema
+from pagoda.structured.dead_ends import check_no_dead_ends
+from pagoda.structured.spec import choice_grammar, is_ebnf, parse_json_schema, parse_structural_tag
 from pagoda.structured.valid_utf8 import valid_utf8_ebnf, valid_utf8_grammar
 
 # xgrammar errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes "Check failed: (...) is false: "
@@ -173,13 +176,30 @@ class XGrammarBackend:
         if spec.grammar is not None and not is_ebnf(spec.grammar):
             kind = "grammar (read as Lark: it has no '::=' rules)"
         try:
-            compiled = self._compiler.compile_grammar(self._valid_utf8_grammar(spec, schema))
+            grammar = self._valid_utf8_grammar(spec, schema)
+            if spec.grammar is not None:  # a request's own rules may contain a dead end
+                check_no_dead_ends(str(grammar))
+            compiled = self._compiler.compile_grammar(grammar)
+        except RecursionError:  # RequestLimits bounds nesting; this is the last line of defence
+            raise ValueError(f"invalid structured_outputs.{kind}: it is nested too deeply") from None
         except (RuntimeError, TypeError, ValueError) as e:
             raise ValueError(f"invalid structured_outputs.{kind}: {_clean_error(e)}") from None
-        return XGrammarCompiled(compiled, self._stop_token_ids)
+        result = XGrammarCompiled(compiled, self._stop_token_ids)
+        # A grammar with no way to start (e.g. `root ::= a  a ::= root`) would leave the sampler no
+        # token at all; refuse it here instead.
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        result.new_matcher().fill_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise ValueError(f"invalid structured_outputs.{kind}: it matches no output at all")
+        return result
 
     def _valid_utf8_grammar(self, spec: StructuredOutputs, schema: dict | None) -> xgr.Grammar:
         """The spec's grammar, matching only valid UTF-8 (see ``valid_utf8``)."""
+        if spec.structural_tag is not None:
+            tag = parse_structural_tag(spec.structural_tag)
+            tag = {**tag, "format": self._constraints_as_ebnf(tag["format"])}
+            grammar = xgr.Grammar.from_structural_tag(json.dumps(tag))
+            return valid_utf8_grammar(grammar, self._decoded_vocab, allow_free_text=True)
         if schema is not None:
             return _json_schema_grammar(schema, self._any_whitespace, strict_mode=True)
         if spec.json_object:
@@ -196,6 +216,30 @@ class XGrammarBackend:
         else:
             grammar = xgr.Grammar.from_lark(spec.grammar, tokenizer_info=self._info)
         return valid_utf8_grammar(grammar, self._decoded_vocab)
+
+    def _constraints_as_ebnf(self, node: Any) -> Any:
+        """A structural-tag format with its JSON-schema, regex and grammar parts replaced by the EBNF
+        the same spec gets on its own (compact JSON as configured, strict schemas, valid UTF-8), so a
+        schema means the same inside a structural tag as in ``response_format``."""
+        if isinstance(node, list):
+            return [self._constraints_as_ebnf(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        kind = node.get("type")
+        plain = {"type", kind}
+        spec: StructuredOutputs | None = None
+        json_style = node.get("style", "json") == "json"
+        if kind == "json_schema" and json_style and set(node) <= plain | {"json_schema", "style"}:
+            schema = node.get("json_schema")
+            spec = StructuredOutputs(json={} if schema is True else schema)
+        elif kind == "regex" and set(node) <= plain | {"pattern"}:
+            spec = StructuredOutputs(regex=node.get("pattern"))
+        elif kind == "grammar" and set(node) <= plain | {"grammar", "syntax"}:
+            spec = StructuredOutputs(grammar=node.get("grammar"))
+        if spec is not None:
+            schema = parse_json_schema(spec.json) if spec.json is not None else None
+            return {"type": "grammar", "grammar": str(self._valid_utf8_grammar(spec, schema))}
+        return {key: self._constraints_as_ebnf(value) for key, value in node.items()}
 
     def fill_bitmasks(
         self, matchers: Sequence[XGrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]

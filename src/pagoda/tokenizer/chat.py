@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from transformers import PreTrainedTokenizerBase
 
 _BASE_ROLES = ("system", "user", "assistant")
 # Arguments that would change what apply_chat_template returns: this wrapper always returns token ids.
-_RESERVED_KWARGS = ("tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding")
+_RESERVED_KWARGS = (
+    "tokenize",
+    "return_dict",
+    "return_tensors",
+    "return_assistant_tokens_mask",
+    "padding",
+    "truncation",
+    "max_length",
+)
+# Arguments transformers itself takes rather than passing to the template.
+_OWN_KWARGS = ("chat_template", "tokenizer_kwargs")
 
 
 def chat_template_text(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -24,6 +37,26 @@ def chat_template_text(tokenizer: PreTrainedTokenizerBase) -> str:
             "chat_template.jinja); send a plain prompt instead of chat messages"
         )
     return template
+
+
+def chat_roles(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """The message roles the chat template takes: ``tool`` when the template mentions tools.
+    ValueError if the tokenizer has no template."""
+    return (*_BASE_ROLES, "tool") if "tool" in chat_template_text(tokenizer) else _BASE_ROLES
+
+
+@functools.lru_cache(maxsize=16)
+def _variables(template: str) -> frozenset[str] | None:
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateError:  # a syntax our plain environment lacks (e.g. {% generation %})
+        return None
+
+
+def template_variables(tokenizer: PreTrainedTokenizerBase) -> frozenset[str] | None:
+    """The variables the chat template reads (None if it cannot be parsed here: no checks then)."""
+    return _variables(chat_template_text(tokenizer))
 
 
 def validate_messages(messages: object, allowed_roles: Sequence[str] = _BASE_ROLES) -> None:
@@ -47,6 +80,59 @@ def validate_messages(messages: object, allowed_roles: Sequence[str] = _BASE_ROL
                 raise ValueError(f"messages[{i}] ({role}) has no 'content'")
         elif not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        calls = msg.get("tool_calls")
+        if calls is not None and (role != "assistant" or not isinstance(calls, list)):
+            raise ValueError(f"messages[{i}].tool_calls must be a list, on an assistant message")
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates read them: tool call ``arguments`` as objects (OpenAI sends JSON
+    text), the reasoning as ``reasoning_content`` whichever name it came under."""
+    out = []
+    for i, msg in enumerate(messages):
+        msg = dict(msg)
+        if msg.get("reasoning") is not None:
+            if msg.get("reasoning_content") not in (None, msg["reasoning"]):
+                raise ValueError(f"messages[{i}]: reasoning and reasoning_content differ; send one")
+            msg["reasoning_content"] = msg.pop("reasoning")
+        if msg.get("tool_calls"):
+            msg["tool_calls"] = [
+                _tool_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(msg["tool_calls"])
+            ]
+        out.append(msg)
+    return out
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}.function.arguments is not valid JSON: {e}") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{where}.function.arguments must be a JSON object")
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def check_template_kwargs(tokenizer: PreTrainedTokenizerBase, kwargs: Mapping[str, Any]) -> None:
+    """ValueError naming a keyword the chat template never reads (it would be ignored)."""
+    if all(value is None for value in kwargs.values()):
+        return
+    used = template_variables(tokenizer)
+    if used is None:
+        return
+    for key, value in kwargs.items():
+        if value is None or key in used:
+            continue
+        if key == "tools":
+            raise ValueError("this model's chat template does not render tools")
+        if key == "documents":
+            raise ValueError("this model's chat template does not render documents")
+        raise ValueError(f"this model's chat template does not use {key!r}")
 
 
 def apply_chat_template(
@@ -57,21 +143,25 @@ def apply_chat_template(
 ) -> list[int]:
     """Renders ``messages`` with the tokenizer's chat template and returns the prompt token ids.
 
-    The ``tool`` role is accepted when the template mentions tools. Extra keyword arguments (``tools``,
-    ``documents``, ``continue_final_message``, template variables such as ``enable_thinking``) go to
-    ``tokenizer.apply_chat_template``.
+    The ``tool`` role is accepted when the template mentions tools; tool call arguments may be
+    JSON text (they are parsed). Extra keyword arguments (``tools``, ``documents``,
+    ``continue_final_message``, template variables such as ``enable_thinking``) go to
+    ``tokenizer.apply_chat_template``; one the template never reads is a ValueError.
     """
-    template = chat_template_text(tokenizer)
-    roles = (*_BASE_ROLES, "tool") if "tool" in template else _BASE_ROLES
-    validate_messages(messages, roles)
-    reserved = [k for k in _RESERVED_KWARGS if k in kwargs]
+    validate_messages(messages, chat_roles(tokenizer))
+    reserved = [k for k in (*_RESERVED_KWARGS, *_OWN_KWARGS) if k in kwargs]
     if reserved:
         raise ValueError(
-            f"apply_chat_template always returns a list of token ids; do not pass {', '.join(reserved)}"
+            f"apply_chat_template always returns a list of token ids with the model's template; "
+            f"do not pass {', '.join(reserved)}"
         )
+    continue_final = bool(kwargs.get("continue_final_message"))
+    if continue_final and messages[-1].get("role") != "assistant":
+        raise ValueError("continue_final_message needs an assistant message last")
+    check_template_kwargs(tokenizer, {k: v for k, v in kwargs.items() if k != "continue_final_message"})
     try:
         ids = tokenizer.apply_chat_template(
-            messages,
+            normalize_messages(messages),
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
             return_dict=False,

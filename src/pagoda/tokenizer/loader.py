@@ -1,4 +1,4 @@
-"""Loading a model folder's Hugging Face tokenizer and its end-of-sequence ids."""
+"""Loading a model folder's Hugging Face tokenizer (or a GGUF file's) and its end-of-sequence ids."""
 
 from __future__ import annotations
 
@@ -8,11 +8,17 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pagoda.quant.gguf_file import is_gguf_path
+from pagoda.tokenizer.gguf import gguf_eos_token_ids, load_gguf_tokenizer
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """Loads the fast tokenizer saved in ``model_dir``, without network access."""
+    """Loads the fast tokenizer saved in ``model_dir`` (or described by a ``.gguf`` file), without
+    network access."""
+    if is_gguf_path(model_dir):
+        return load_gguf_tokenizer(model_dir)
     path = Path(model_dir)
     if not path.is_dir():
         raise ValueError(f"tokenizer folder {str(model_dir)!r} does not exist or is not a folder")
@@ -31,7 +37,10 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str | os.PathLike[str]) -> tuple[int, ...]:
-    """End-of-sequence ids: generation_config.json's ``eos_token_id`` (int or list), then the tokenizer's."""
+    """End-of-sequence ids: generation_config.json's ``eos_token_id`` (int or list), then the tokenizer's;
+    for a ``.gguf`` model, the file's end-of-generation tokens (see ``gguf_eos_token_ids``)."""
+    if is_gguf_path(model_dir):
+        return gguf_eos_token_ids(model_dir, tokenizer)
     ids: list[int] = []
     gen_path = Path(model_dir) / "generation_config.json"
     if gen_path.is_file():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -13,6 +14,8 @@ from pagoda.outputs import Logprob
 from pagoda.request import Request
 from pagoda.sample import Sampler, SamplingMetadata, SamplingRow
 from pagoda.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,11 +37,16 @@ class ModelRunner:
         device: torch.device,
         block_size: int,
         seed: int,
+        quantization: str | None = None,
     ) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.model = load_model(model_dir, dtype, device)
+        self.model = load_model(model_dir, dtype, device, quantization=quantization)
+        self.weight_format: str = self.model.weight_format
+        logger.info(
+            "loaded %s (%s activations): %s", model_dir, str(dtype).removeprefix("torch."), self.weight_format
+        )
         self.arch = self.model.config
         self.vocab_size = self.arch.vocab_size
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))

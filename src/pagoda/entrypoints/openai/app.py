@@ -8,28 +8,37 @@ import os
 import secrets
 import signal
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 
+from pagoda import __version__
 from pagoda.config import EngineArgs
 from pagoda.engine.async_engine import AsyncLLM
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.entrypoints.openai.chat_render import render_chat
+from pagoda.entrypoints.openai.chat_settings import ChatSettings, log_settings
 from pagoda.entrypoints.openai.errors import APIError, install_error_handlers
+from pagoda.entrypoints.openai.limits import StrictJSONRoute
 from pagoda.entrypoints.openai.metrics import ServerMetrics
+from pagoda.entrypoints.openai.openapi import install_openapi
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     ModelCard,
     ModelList,
+    ParamError,
     TokenizeRequest,
 )
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion
 from pagoda.entrypoints.openai.serving_common import ServerState
 from pagoda.entrypoints.openai.serving_completions import create_completion
-from pagoda.tokenizer import apply_chat_template
+from pagoda.http_body import BodySizeLimit
+from pagoda.limits import DEFAULT_MAX_BODY_SIZE, LimitError
+from pagoda.tokenizer.chat import chat_roles
 
 logger = logging.getLogger("pagoda.server")
 
@@ -43,6 +52,11 @@ class ServerConfig:
     max_waiting_requests: int | None = None
     shutdown_timeout_s: float = 30.0  # how long in-flight requests may run on after SIGINT/SIGTERM
     log_level: str = "info"
+    max_body_size: int = DEFAULT_MAX_BODY_SIZE  # bytes; a larger request body gets a 413
+    # Chat replies: parsers by vLLM's names (None: chosen from the chat template; "none": off).
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -61,6 +75,14 @@ class ServerConfig:
             raise ValueError("served_model_name must not be empty")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"unknown log level {self.log_level!r}")
+        if (
+            isinstance(self.max_body_size, bool)
+            or not isinstance(self.max_body_size, int)
+            or self.max_body_size < 1
+        ):
+            raise ValueError(f"max_body_size must be an integer >= 1 (bytes), got {self.max_body_size!r}")
+        if not isinstance(self.default_chat_template_kwargs, dict):
+            raise ValueError("default_chat_template_kwargs must be a JSON object")
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or os.environ.get("PAGODA_API_KEY") or None
@@ -69,9 +91,24 @@ class ServerConfig:
 def build_state(engine: LLMEngine, config: ServerConfig) -> ServerState:
     """Start the engine thread with Prometheus metrics attached."""
     name = config.served_model_name or engine.args.model
+    chat = ChatSettings.create(
+        engine.tokenizer,
+        tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
+        default_kwargs=config.default_chat_template_kwargs,
+    )
     metrics = ServerMetrics(name)
     async_engine = AsyncLLM(engine, max_waiting_requests=config.max_waiting_requests, on_step=metrics.on_step)
-    return ServerState(async_engine, metrics, [name], engine.args.model, config.resolved_api_key())
+    return ServerState(
+        async_engine,
+        metrics,
+        [name],
+        engine.args.model,
+        config.resolved_api_key(),
+        chat,
+        limits=engine.args.limits,
+        max_body_size=config.max_body_size,
+    )
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -84,6 +121,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="pagoda", lifespan=lifespan)
     app.state.pagoda = state
+    if state.max_body_size is not None:
+        app.add_middleware(BodySizeLimit, max_bytes=state.max_body_size)
     install_error_handlers(app)
 
     def check_auth(request: Request) -> None:
@@ -91,8 +130,9 @@ def create_app(state: ServerState) -> FastAPI:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
+        # Constant time, on bytes: the header as sent (ASGI decodes it as latin-1), the key as UTF-8.
         if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), state.api_key.encode()
+            token.strip().encode("latin-1"), state.api_key.encode()
         ):
             raise APIError(
                 "invalid or missing API key: send 'Authorization: Bearer <key>'", 401, code="invalid_api_key"
@@ -104,15 +144,27 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError("the engine is not running", 503, code="engine_unavailable")
         return Response(status_code=200)
 
-    api = APIRouter(dependencies=[Depends(check_auth)])
+    api = APIRouter(dependencies=[Depends(check_auth)], route_class=StrictJSONRoute)
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(
+            id=name,
+            root=state.model_path,
+            max_model_len=state.engine.max_model_len,
+            format=state.engine.weight_format,
+        )
 
     @api.get("/v1/models")
     async def models() -> ModelList:
-        cards = [
-            ModelCard(id=n, root=state.model_path, max_model_len=state.engine.max_model_len)
-            for n in state.model_names
-        ]
-        return ModelList(data=cards)
+        return ModelList(data=[card(n) for n in state.model_names])
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        return card(state.resolve_model(model_id))
+
+    @api.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @api.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -125,21 +177,30 @@ def create_app(state: ServerState) -> FastAPI:
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         state.resolve_model(body.model)
+        max_model_len = state.engine.max_model_len
         if body.messages is not None:
-            messages = [m.to_dict() for m in body.messages]
             try:
-                ids = apply_chat_template(
-                    state.engine.tokenizer, messages, add_generation_prompt=body.add_generation_prompt
-                )
-            except ValueError as exc:
-                raise APIError(str(exc), param="messages") from None
+                body.template_checks(body.messages)
+                state.limits.check_messages(body.messages, max_model_len)
+            except (ParamError, LimitError) as exc:
+                raise APIError(str(exc), param=exc.param) from None
+            ids = render_chat(state.engine.tokenizer, state.chat, body.messages, body).prompt_ids
         else:
+            try:
+                state.limits.check_prompt(body.prompt, max_model_len)
+            except LimitError as exc:
+                raise APIError(str(exc), param=exc.param) from None
             ids = state.engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
 
     @api.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         state.resolve_model(body.model)
+        if len(body.tokens) > state.engine.max_model_len:
+            message = (
+                f"tokens: {len(body.tokens)} is more than the context length ({state.engine.max_model_len})"
+            )
+            raise APIError(message, param="tokens")
         bad = next((t for t in body.tokens if not 0 <= t < state.engine.vocab_size), None)
         if bad is not None:
             raise APIError(f"token id {bad} is not in [0, {state.engine.vocab_size})", param="tokens")
@@ -157,6 +218,20 @@ def create_app(state: ServerState) -> FastAPI:
         return Response(data, media_type=content_type)
 
     app.include_router(api)
+    tokenizer = state.engine.tokenizer
+    try:
+        roles: tuple[str, ...] | None = chat_roles(tokenizer)
+    except ValueError:  # no chat template: chat requests are refused whatever their roles
+        roles = None
+    install_openapi(
+        app,
+        model_names=state.model_names,
+        limits=state.limits,
+        vocab_size=state.engine.vocab_size,
+        max_model_len=state.engine.max_model_len,
+        chat_roles=roles,
+        auth=state.api_key is not None,
+    )
     return app
 
 
@@ -166,6 +241,7 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
 
     engine = LLMEngine(engine_args)
     state = build_state(engine, config)
+    log_settings(state.chat)
     app = create_app(state)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -187,4 +263,12 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
         state.engine.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0 if state.engine.error is None else 1
+    code = 0 if state.engine.error is None else 1
+    grammars = engine.core.grammars
+    if grammars is not None and not grammars.wait_for_compiles(config.shutdown_timeout_s):
+        # A grammar compile past its deadline still runs and cannot be interrupted; exiting the
+        # interpreter under it would abort the process, so leave without finalizing.
+        logger.warning("exiting with a grammar compile still running")
+        logging.shutdown()
+        os._exit(code)
+    return code

@@ -17,6 +17,7 @@ _TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     503: "service_unavailable_error",
 }
 
@@ -39,8 +40,8 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
@@ -52,6 +53,8 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(f"unknown field {param!r}: this server does not support it", param=param)
     if err.get("type") == "json_invalid":
         return APIError(f"the request body is not valid JSON: {err.get('msg')}")
+    if param is None and err.get("type") == "missing":
+        return APIError("the request needs a JSON object body (Content-Type: application/json)")
     message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     return APIError(f"{param}: {message}" if param else message, param=param)
 
@@ -67,7 +70,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(str(exc.detail), exc.status_code).response()
+        param, code = getattr(exc, "param", None), getattr(exc, "code", None)
+        error = APIError(str(exc.detail), exc.status_code, param=param, code=code)
+        return error.response(exc.headers)  # e.g. Allow on a 405
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

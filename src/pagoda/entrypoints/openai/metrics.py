@@ -12,6 +12,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 
@@ -32,6 +33,8 @@ _E2E_BUCKETS = _buckets("0.3 0.5 0.8 1 1.5 2 2.5 5 10 15 20 30 40 50 60 120 240 
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        # process_resident_memory_bytes and friends, as in vLLM (the soak watches memory with them).
+        ProcessCollector(registry=self.registry)
         labels = ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:

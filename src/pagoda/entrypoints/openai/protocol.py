@@ -6,11 +6,24 @@ declared so that the error names them, and are refused by `unsupported()` when s
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer, model_validator
+import jsonschema
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from pagoda.sampling_params import SamplingParams, StructuredOutputs
 
@@ -24,7 +37,8 @@ class ParamError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields are refused, and values must have their JSON type ("2" is not an integer).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # ---- requests --------------------------------------------------------------------------------------
@@ -66,6 +80,7 @@ class StructuredOutputsField(_Strict):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
 
 class _SamplingRequest(_Strict):
@@ -127,6 +142,10 @@ class _SamplingRequest(_Strict):
                 f"only one output constraint may be given, got {', '.join(given)}", list(given)[1]
             )
         return next(iter(given.values()), None)
+
+    def structured_outputs_requested(self) -> StructuredOutputs | None:
+        """The user's own output constraint (ParamError if malformed or more than one)."""
+        return self._structured_outputs()
 
     def common_checks(self) -> None:
         """Raises ValueError (message, param) for combinations that cannot be honoured."""
@@ -235,10 +254,111 @@ class ContentPart(BaseModel):
         return self
 
 
+# OpenAI's function names, plus "." and ":" (namespaced tools); every call syntax can write them.
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+class FunctionDefinition(_Strict):
+    name: StrictStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not _TOOL_NAME.fullmatch(name):
+            raise ValueError(f"tool name {name!r:.80} must be 1 to 64 letters, digits, '_', '-', '.' or ':'")
+        return name
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is not None:
+            try:
+                jsonschema.validators.validator_for(schema).check_schema(schema)
+            except jsonschema.SchemaError as e:
+                where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+                raise ValueError(f"not a valid JSON schema at {where}: {e.message}") from None
+        return schema
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def to_dict(self) -> dict[str, Any]:
+        """The tool as chat templates read it (OpenAI's shape)."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(_Strict):
+    name: StrictStr
+    arguments: dict[str, Any] | str
+
+    @field_validator("arguments")
+    @classmethod
+    def _object(cls, arguments: dict[str, Any] | str) -> dict[str, Any]:
+        """Templates read arguments as an object: a JSON string is parsed here."""
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"arguments are not valid JSON: {e}") from None
+        if not isinstance(arguments, dict):
+            raise ValueError("arguments must be a JSON object")
+        return arguments
+
+
+class ToolCallItem(_Strict):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
+    # The assistant's reasoning, under either name (vLLM's newer one is "reasoning").
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    # Fields of OpenAI's reply message that clients send back with it: accepted when empty.
+    refusal: str | None = None
+    audio: Any = None
+    function_call: Any = None
+    annotations: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _fields_fit_role(self) -> ChatMessage:
+        for name in ("refusal", "audio", "function_call", "annotations"):
+            if getattr(self, name):
+                raise ValueError(f"{name} in a message is not supported")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages have a tool_call_id")
+        if (self.reasoning_content is not None or self.reasoning is not None) and self.role != "assistant":
+            raise ValueError("only assistant messages have reasoning")
+        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+            raise ValueError("reasoning and reasoning_content differ; send one")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         content = self.content
@@ -247,32 +367,83 @@ class ChatMessage(_Strict):
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatTemplateFields(_Strict):
+    """How messages are rendered: shared by chat completions and /tokenize (names as in vLLM)."""
+
+    tools: list[ChatTool] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+
+    def template_checks(self, messages: list[ChatMessage]) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParamError(
+                "continue_final_message continues the last assistant message; set add_generation_prompt "
+                "to false with it",
+                "continue_final_message",
+            )
+        if self.continue_final_message and (not messages or messages[-1].role != "assistant"):
+            raise ParamError(
+                "continue_final_message needs an assistant message last", "continue_final_message"
+            )
+        names = [t.function.name for t in self.tools or ()]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate is not None:
+            raise ParamError(f"two tools are named {duplicate!r}", "tools")
+
+
+class ChatCompletionRequest(ChatTemplateFields, _SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # OpenAI fields this server refuses when set (see check()).
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    # OpenAI's deprecated function-calling fields, refused when set (see check()).
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
 
     def max_tokens_requested(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """What the tool choice asks for; "none" also when no tools are given."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return "required" if self.tool_choice == "required" else "auto"
+
     def check(self) -> None:
         self.common_checks()
-        for name in ("tools", "functions", "function_call"):
+        for name in ("functions", "function_call"):
             if getattr(self, name):
-                raise ParamError(f"{name} is not supported by this server", name)
-        if self.tool_choice not in (None, "none"):
-            raise ParamError("tool_choice is not supported by this server", "tool_choice")
+                raise ParamError(f"{name} is deprecated and not supported: send tools and tool_choice", name)
+        self.template_checks(self.messages)
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ParamError("tool_choice needs tools", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            wanted = self.tool_choice.function.name
+            if wanted not in {t.function.name for t in self.tools or ()}:
+                raise ParamError(f"tool_choice names {wanted!r}, which is not among the tools", "tool_choice")
+        if self.tool_mode() in ("required", "named") and self.structured_outputs_requested() is not None:
+            raise ParamError(
+                "an output constraint cannot be combined with tool_choice 'required' or a named tool: "
+                "the call is the constraint",
+                "tool_choice",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs needs logprobs: true", "top_logprobs")
         if (
@@ -288,17 +459,20 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt and messages")
+        chat_only = ("tools", "documents", "chat_template_kwargs", "continue_final_message")
+        used = [name for name in chat_only if getattr(self, name)]
+        if self.prompt is not None and used:
+            raise ValueError(f"{used[0]} is only for messages, not a prompt")
         return self
 
 
@@ -365,9 +539,23 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # the same text under vLLM's newer name
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -387,13 +575,32 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
+class _WithoutNulls(BaseModel):
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: Any) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_WithoutNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_WithoutNulls):
+    """One call's part of a stream delta: ``id``, ``type`` and ``name`` in its first delta only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_WithoutNulls):
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -420,6 +627,7 @@ class ModelCard(BaseModel):
     owned_by: str = "pagoda"
     root: str | None = None
     max_model_len: int | None = None
+    format: str | None = None  # how the weights are stored (e.g. GGUF MOSTLY_Q4_K_M, quantized at load)
 
 
 class ModelList(BaseModel):

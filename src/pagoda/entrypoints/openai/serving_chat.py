@@ -1,14 +1,19 @@
-"""POST /v1/chat/completions: messages through the tokenizer's chat template, n samples."""
+"""POST /v1/chat/completions: messages through the model's chat template, n samples; replies parsed
+into content, reasoning and tool calls (see chat_reply)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from pagoda.engine.async_engine import RequestStream
+from pagoda.entrypoints.openai.chat_render import render_chat
+from pagoda.entrypoints.openai.chat_reply import ChoiceDelta, ReplyPlan, plan_reply
 from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.limits import check_body, constraint_field
 from pagoda.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -18,12 +23,17 @@ from pagoda.entrypoints.openai.protocol import (
     ChatLogprobs,
     ChatLogprobToken,
     ChatResponseMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
     ParamError,
+    ToolCallOut,
     TopLogprob,
     new_id,
     now_s,
 )
+from pagoda.entrypoints.openai.reasoning import prompt_state
 from pagoda.entrypoints.openai.serving_common import (
     SSE_DONE,
     ServerState,
@@ -36,15 +46,9 @@ from pagoda.entrypoints.openai.serving_common import (
     top_entries,
     unless_disconnected,
 )
+from pagoda.entrypoints.openai.tool_parsers import merge_calls
+from pagoda.limits import LimitError
 from pagoda.outputs import CompletionOutput
-
-
-def chat_prompt_ids(state: ServerState, messages: list[dict], **template_kwargs) -> list[int]:
-    try:
-        ids = state.engine.chat_prompt(messages, **template_kwargs)
-    except ValueError as exc:
-        raise APIError(str(exc), param="messages") from None
-    return state.tokenize(ids, param="messages")
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
@@ -52,18 +56,47 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         body.check()
         model = state.resolve_model(body.model)
         max_tokens = body.max_tokens_requested()
+        check_body(state.limits, body, 1)
         params = body.sampling_params(state.engine.vocab_size, max_tokens, body.num_logprobs())
-    except ParamError as exc:
+        state.limits.check_params(params, constraint_field(body))
+    except (ParamError, LimitError) as exc:
+        raise param_error(exc, {"logprobs": "top_logprobs"}) from None
+    try:
+        state.limits.check_messages(body.messages, state.engine.max_model_len)  # before the template runs
+    except LimitError as exc:
         raise param_error(exc) from None
-    prompt_ids = chat_prompt_ids(state, [m.to_dict() for m in body.messages])
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    state.check_length(len(prompt_ids), params.max_tokens, param)
-    request_id = new_id("chatcmpl")
-    stream = await state.start(
-        [request_id], [prompt_ids], params, cache_salt=body.cache_salt, stream=bool(body.stream)
+    rendered = render_chat(state.engine.tokenizer, state.chat, body.messages, body)
+    prompt_ids = state.tokenize(rendered.prompt_ids, param="messages")
+    try:
+        plan = plan_reply(body, state.chat, prompt_state(rendered.tail), params.skip_special_tokens)
+        if plan.tools_constrain and plan.structured is not None:  # built from the request's tools
+            state.limits.check_structured(plan.structured, "tools")
+    except (ParamError, LimitError) as exc:
+        raise param_error(exc) from None
+    if plan.tools_constrain and params.min_tokens:
+        raise APIError(
+            "min_tokens cannot be combined with a tool choice the grammar enforces", param="min_tokens"
+        )
+    params = dataclasses.replace(
+        params,
+        structured_outputs=plan.structured,
+        skip_special_tokens=params.skip_special_tokens and plan.hidden is None,
     )
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    state.check_length(len(prompt_ids), params, param)
+    request_id = new_id("chatcmpl")
+    try:
+        stream = await state.start(
+            [request_id], [prompt_ids], params, cache_salt=body.cache_salt, stream=bool(body.stream)
+        )
+    except APIError as exc:
+        if exc.status == 400 and plan.tools_constrain and exc.param is None:
+            raise APIError(
+                f"the tools' parameters cannot be enforced: {exc.message}", param="tools"
+            ) from None
+        raise
     if body.stream:
-        return StreamResponse(_stream(state, body, stream, model, request_id, len(prompt_ids)), stream)
+        return StreamResponse(_stream(state, body, plan, stream, model, request_id, len(prompt_ids)), stream)
     try:
         result = await unless_disconnected(raw, collect(stream))
     finally:
@@ -71,23 +104,73 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     if isinstance(result, Response):
         return result
     (out,) = result
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=ChatResponseMessage(content=c.text),
-            logprobs=_logprobs(state, c, body.top_logprobs or 0) if body.logprobs else None,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+    choices = []
+    for c in out.outputs:
+        parser = plan.new_choice()
+        parsed = parser.feed(c.text)
+        rest = parser.finish()
+        calls = merge_calls(parsed.calls + rest.calls)
+        content = parsed.content + rest.content
+        reasoning = (parsed.reasoning + rest.reasoning) or None
+        message = ChatResponseMessage(
+            content=None if calls and not content else content,
+            reasoning_content=reasoning,
+            reasoning=reasoning,
+            tool_calls=[
+                ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+                for call in calls
+            ],
         )
-        for c in out.outputs
-    ]
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=message,
+                logprobs=_logprobs(state, c, body.top_logprobs or 0) if body.logprobs else None,
+                finish_reason=_finish_reason(c.finish_reason, bool(calls), plan.named),
+                stop_reason=c.stop_reason,
+            )
+        )
     usage = make_usage(len(prompt_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
     return ChatCompletionResponse(id=request_id, created=now_s(), model=model, choices=choices, usage=usage)
+
+
+def _finish_reason(reason: str | None, has_calls: bool, named: bool) -> str | None:
+    """OpenAI's: "tool_calls" when a reply that chose to call tools ended with calls; a named tool
+    choice ends with "stop"."""
+    return "tool_calls" if reason == "stop" and has_calls and not named else reason
+
+
+def _delta_message(delta: ChoiceDelta, finished: bool) -> DeltaMessage:
+    fields: dict = {}
+    if delta.content:
+        fields["content"] = delta.content
+    if delta.reasoning:
+        fields["reasoning_content"] = fields["reasoning"] = delta.reasoning
+    calls: list[DeltaToolCall] = []
+    for d in delta.calls:
+        if calls and calls[-1].index == d.index and d.id is None:
+            previous = calls[-1].function
+            previous.arguments = (previous.arguments or "") + d.arguments
+            continue
+        calls.append(
+            DeltaToolCall(
+                index=d.index,
+                id=d.id,
+                type="function" if d.id is not None else None,
+                function=DeltaFunctionCall(name=d.name, arguments=d.arguments),
+            )
+        )
+    if calls:
+        fields["tool_calls"] = calls
+    if not fields and not finished:
+        fields["content"] = ""
+    return DeltaMessage(**fields)
 
 
 async def _stream(
     state: ServerState,
     body: ChatCompletionRequest,
+    plan: ReplyPlan,
     stream: RequestStream,
     model: str,
     request_id: str,
@@ -100,6 +183,7 @@ async def _stream(
     exclude = None if include_usage else {"usage"}
     num_tokens = [0] * body.n
     num_cached = 0
+    parsers = [plan.new_choice() for _ in range(body.n)]
 
     def chunk(choice: ChatChunkChoice) -> str:
         c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
@@ -114,16 +198,23 @@ async def _stream(
             num_cached = out.num_cached_tokens
             for c in out.outputs:
                 num_tokens[c.index] += len(c.token_ids)
-                if not (c.text or c.finish_reason or (body.logprobs and c.token_ids)):
+                parser = parsers[c.index]
+                delta = parser.feed(c.text)
+                if c.finish_reason:
+                    rest = parser.finish()
+                    delta = ChoiceDelta(
+                        delta.reasoning + rest.reasoning,
+                        delta.content + rest.content,
+                        delta.calls + rest.calls,
+                    )
+                if not (delta or c.finish_reason or (body.logprobs and c.token_ids)):
                     continue
                 yield chunk(
                     ChatChunkChoice(
                         index=c.index,
-                        delta=DeltaMessage(content=c.text)
-                        if c.text or not c.finish_reason
-                        else DeltaMessage(),
+                        delta=_delta_message(delta, bool(c.finish_reason)),
                         logprobs=_logprobs(state, c, body.top_logprobs or 0) if body.logprobs else None,
-                        finish_reason=c.finish_reason,
+                        finish_reason=_finish_reason(c.finish_reason, parser.num_calls > 0, plan.named),
                         stop_reason=c.stop_reason,
                     )
                 )

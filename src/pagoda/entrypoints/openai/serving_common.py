@@ -16,11 +16,14 @@ from starlette.types import Receive, Scope, Send
 
 from pagoda.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
 from pagoda.engine.input_processor import tokenize_prompt
+from pagoda.entrypoints.openai.chat_settings import ChatSettings
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda.entrypoints.openai.protocol import ParamError, PromptTokensDetails, Usage
+from pagoda.limits import LimitError, RequestLimits, check_context
 from pagoda.outputs import Logprob, RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured.compile_pool import GrammarBusyError
 
 T = TypeVar("T")
 
@@ -32,6 +35,9 @@ class ServerState:
     model_names: list[str]  # the names clients may ask for; the first is reported back
     model_path: str
     api_key: str | None = None
+    chat: ChatSettings = field(default_factory=ChatSettings)  # how chats are rendered and replies parsed
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    max_body_size: int | None = None  # bytes; larger bodies get a 413
     _token_texts: dict[int, str] = field(default_factory=dict)
 
     def resolve_model(self, name: str | None) -> str:
@@ -48,21 +54,21 @@ class ServerState:
         """Validated prompt token ids; a 400 naming the problem (empty, bad ids, too long)."""
         engine = self.engine
         try:
+            self.limits.check_prompt(prompt, engine.max_model_len, param)  # before tokenizing
             _, ids = tokenize_prompt(engine.tokenizer, prompt, engine.vocab_size, engine.max_model_len)
         except ValueError as exc:
             raise APIError(str(exc), param=param) from None
         return ids
 
-    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, param: str = "max_tokens") -> None:
-        """The prompt plus max_tokens must fit the context: never truncated silently (as in vLLM)."""
-        limit = self.engine.max_model_len
-        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-            raise APIError(
-                f"this model's maximum context length is {limit} tokens, but {num_prompt_tokens + max_tokens} "
-                f"were requested ({num_prompt_tokens} in the prompt, {max_tokens} to generate); "
-                f"shorten the prompt or lower {param}",
-                param=param,
+    def check_length(self, num_prompt_tokens: int, params: SamplingParams, param: str = "max_tokens") -> None:
+        """The prompt plus max_tokens must fit the context: never truncated silently (as in vLLM,
+        and as the engine checks for the offline LLM)."""
+        try:
+            check_context(
+                num_prompt_tokens, params.max_tokens, params.min_tokens, self.engine.max_model_len, param
             )
+        except LimitError as exc:
+            raise APIError(str(exc), param=exc.param) from None
 
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
@@ -91,12 +97,16 @@ class ServerState:
             raise APIError(str(exc), 503, code="server_overloaded") from None
         except EngineDeadError as exc:
             raise APIError(str(exc), 503, code="engine_unavailable") from None
+        except GrammarBusyError as exc:
+            raise APIError(str(exc), 503, code="server_overloaded") from None
         except ValueError as exc:
             raise APIError(str(exc), param=getattr(exc, "param", None)) from None
 
 
-def param_error(exc: ParamError) -> APIError:
-    return APIError(str(exc), param=exc.param)
+def param_error(exc: ParamError | LimitError, renamed: dict[str, str] | None = None) -> APIError:
+    """A 400 naming the field; `renamed` maps SamplingParams names to this endpoint's field names."""
+    param = exc.param if exc.param is None or renamed is None else renamed.get(exc.param, exc.param)
+    return APIError(str(exc), param=param)
 
 
 def make_usage(num_prompt: int, num_completion: int, num_cached: int) -> Usage:

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagoda.engine.async_engine import RequestStream
+from pagoda.entrypoints.openai.limits import check_body, constraint_field
 from pagoda.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -30,6 +31,7 @@ from pagoda.entrypoints.openai.serving_common import (
     top_entries,
     unless_disconnected,
 )
+from pagoda.limits import LimitError
 from pagoda.outputs import CompletionOutput, Logprob
 
 
@@ -47,12 +49,14 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         body.check()
         model = state.resolve_model(body.model)
         prompts = body.prompts()
+        check_body(state.limits, body, len(prompts))
         params = body.sampling_params(state.engine.vocab_size, body.max_tokens, body.logprobs)
-    except ParamError as exc:
+        state.limits.check_params(params, constraint_field(body))
+    except (ParamError, LimitError) as exc:
         raise param_error(exc) from None
     prompt_ids = [state.tokenize(p) for p in prompts]
     for ids in prompt_ids:
-        state.check_length(len(ids), params.max_tokens)
+        state.check_length(len(ids), params)
     echoes = [(p if isinstance(p, str) else state.decode(p)) if body.echo else "" for p in prompts]
     base_id = new_id("cmpl")
     request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]

@@ -1,0 +1,362 @@
+"""`pagoda bench lang`: pagoda.lang programs against the same work sent as independent OpenAI requests.
+
+Both run against one pagoda server with its prefix cache on; the cache is emptied before every run.
+Workloads:
+  few-shot         N questions after one shared k-shot prompt, each answered by a short gen
+  select           the same questions, each choosing one of 4 answers (select: prompt logprobs);
+                   also times select against a gen of one token on the same questions
+  tree-of-thought  T problems, each a tree of forks (width W, depth D) of short thoughts
+Reported per variant: the median wall time over --repeats runs (after --warmup untimed ones), the
+prompt tokens the server computed (its prefix-cache queries minus hits), and the speedup of the
+language over the independent requests. Both variants send the same texts; greedy answers match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+WORKLOADS = ("few-shot", "select", "tree-of-thought")
+WORDS = tuple(
+    [
+        "the",
+        "and",
+        "of",
+        "to",
+        "in",
+        "is",
+        "that",
+        "it",
+        "for",
+        "you",
+        "with",
+        "on",
+        "this",
+        "a",
+        "be",
+        "are",
+        "was",
+        "river",
+        "stone",
+        "light",
+        "water",
+        "city",
+        "market",
+        "letter",
+        "garden",
+        "window",
+        "summer",
+        "winter",
+        "morning",
+        "evening",
+        "story",
+        "number",
+        "question",
+        "answer",
+    ]
+)
+CHOICES = [" yes", " no", " maybe", " unknown"]
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "lang",
+        help="pagoda.lang programs against the same work as independent OpenAI requests",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--base-url", required=True, help="a pagoda server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", help="bearer token (default: $PAGODA_API_KEY, if set)")
+    p.add_argument("--workload", choices=(*WORKLOADS, "all"), default="all")
+    p.add_argument("--num-questions", type=_positive, default=64, help="few-shot / select questions")
+    p.add_argument("--num-shots", type=_positive, default=8, help="examples in the shared prompt")
+    p.add_argument("--prompt-tokens", type=_positive, default=1500, help="tokens of the shared k-shot prompt")
+    p.add_argument("--question-tokens", type=_positive, default=32, help="tokens of each question")
+    p.add_argument("--answer-tokens", type=_positive, default=4, help="few-shot: tokens of each answer")
+    p.add_argument("--num-trees", type=_positive, default=4, help="tree-of-thought problems")
+    p.add_argument("--width", type=_positive, default=4, help="tree-of-thought: branches per fork")
+    p.add_argument("--depth", type=_positive, default=2, help="tree-of-thought: levels of forks")
+    p.add_argument("--context-tokens", type=_positive, default=1024, help="tree-of-thought: problem tokens")
+    p.add_argument("--thought-tokens", type=_positive, default=8, help="tree-of-thought: tokens per thought")
+    p.add_argument("--repeats", type=_positive, default=3, help="timed runs of each variant")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs of each variant first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-file", help="write the figures as JSON here")
+    p.set_defaults(func=run)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+@dataclass
+class Sample:
+    seconds: float
+    computed_tokens: int
+
+
+@dataclass
+class VariantResult:
+    workload: str
+    variant: str
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(s.seconds for s in self.samples)
+
+    @property
+    def median_computed(self) -> int:
+        return int(statistics.median(s.computed_tokens for s in self.samples))
+
+
+class Server:
+    """The few things the benchmark asks a pagoda server directly: metrics, cache reset, completions."""
+
+    def __init__(self, base_url: str, api_key: str | None) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(
+            base_url=base_url.rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(3600.0, pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+        )
+        self.model = self.client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+
+    def counters(self) -> tuple[float, float]:
+        """(prefix-cache queries, hits) so far, in prompt tokens."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = self.client.get("/metrics").raise_for_status().text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
+
+    def reset_cache(self) -> None:
+        self.client.post("/reset_prefix_cache").raise_for_status()
+
+    def complete(self, **body: Any) -> dict:
+        response = self.client.post("/v1/completions", json={"model": self.model, **body})
+        if response.status_code != 200:
+            raise RuntimeError(f"/v1/completions: HTTP {response.status_code}: {response.text[:300]}")
+        return response.json()
+
+
+def measure(server: Server, work: Callable[[], Any]) -> tuple[Sample, Any]:
+    server.reset_cache()
+    queries0, hits0 = server.counters()
+    start = time.perf_counter()
+    result = work()
+    seconds = time.perf_counter() - start
+    queries1, hits1 = server.counters()
+    return Sample(seconds, int((queries1 - queries0) - (hits1 - hits0))), result
+
+
+def _words(rng: random.Random, backend, tokens: int) -> str:
+    """Random words cut to `tokens` tokens as the server tokenizes them."""
+    text = ""
+    while len(backend.tokenize(text or " ")) < tokens:
+        text += " " + " ".join(rng.choices(WORDS, k=8))
+    while len(backend.tokenize(text)) > tokens:
+        text = text.rsplit(" ", 1)[0]
+    return text.strip()
+
+
+def few_shot_prompt(rng: random.Random, backend, num_shots: int, prompt_tokens: int) -> str:
+    """A header and `num_shots` question/answer examples, about `prompt_tokens` tokens in all."""
+    header = "Answer each question with yes, no, maybe or unknown.\n\n"
+    frame = len(backend.tokenize("Question: \nAnswer: unknown\n\n"))
+    per_shot = (prompt_tokens - len(backend.tokenize(header))) // num_shots - frame
+    shots = [
+        f"Question: {_words(rng, backend, max(per_shot, 4))}\nAnswer:{rng.choice(CHOICES)}\n\n"
+        for _ in range(num_shots)
+    ]
+    return header + "".join(shots)
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    import pagoda.lang as pl
+
+    api_key = args.api_key or os.environ.get("PAGODA_API_KEY") or None
+    try:
+        server = Server(args.base_url, api_key)
+        backend = pl.RuntimeEndpoint(args.base_url, api_key=api_key)
+    except Exception as exc:
+        print(f"pagoda bench lang: cannot use {args.base_url}: {exc}", file=sys.stderr)
+        return 2
+    rng = random.Random(args.seed)
+    workloads = WORKLOADS if args.workload == "all" else (args.workload,)
+    results: list[VariantResult] = []
+    notes: dict[str, Any] = {}
+    questions = [_words(rng, backend, args.question_tokens) for _ in range(args.num_questions)]
+    prompt = few_shot_prompt(rng, backend, args.num_shots, args.prompt_tokens)
+    print(
+        f"server: {args.base_url} ({server.model})\nshared few-shot prompt: {len(backend.tokenize(prompt))} "
+        f"tokens, {args.num_questions} questions of {args.question_tokens} tokens"
+    )
+
+    @pl.function
+    def answer(s, question):
+        s += prompt + "Question: " + question + "\nAnswer:"
+        s += pl.gen("answer", max_tokens=args.answer_tokens, ignore_eos=True)
+
+    @pl.function
+    def choose(s, question):
+        s += prompt + "Question: " + question + "\nAnswer:" + pl.select("answer", choices=CHOICES)
+
+    @pl.function
+    def first_token(s, question):
+        s += prompt + "Question: " + question + "\nAnswer:" + pl.gen("answer", max_tokens=1, ignore_eos=True)
+
+    def lang_batch(program) -> Callable[[], list]:
+        return lambda: [
+            s["answer"]
+            for s in program.run_batch([{"question": q} for q in questions], temperature=0, backend=backend)
+        ]
+
+    def requests_few_shot() -> list:
+        def one(q: str) -> str:
+            body = {"prompt": prompt + "Question: " + q + "\nAnswer:", "max_tokens": args.answer_tokens}
+            return server.complete(**body, temperature=0, ignore_eos=True)["choices"][0]["text"]
+
+        with ThreadPoolExecutor(len(questions)) as pool:
+            return list(pool.map(one, questions))
+
+    # The independent requests score each choice from its own full prompt; which tokens are the
+    # choice's is worked out here, before the clock starts.
+    select_items = []
+    for q in questions:
+        head = prompt + "Question: " + q + "\nAnswer:"
+        texts = [head + c for c in CHOICES]
+        select_items.append((len(backend.tokenize(head)), texts, [backend.tokenize(t) for t in texts]))
+
+    def requests_select() -> list:
+        def score(text: str, ids: list[int], base: int) -> float:
+            out = server.complete(prompt=text, max_tokens=1, temperature=0, prompt_logprobs=0)
+            entries = out["choices"][0]["prompt_logprobs"]
+            lps = [entries[i][str(ids[i])]["logprob"] for i in range(base, len(ids))]
+            return sum(lps) / len(lps)
+
+        def one(item) -> str:
+            base, texts, ids = item
+            with ThreadPoolExecutor(len(texts)) as pool:
+                scores = list(pool.map(score, texts, ids, [base] * len(texts)))
+            return CHOICES[max(range(len(CHOICES)), key=lambda i: (scores[i], -i))]
+
+        with ThreadPoolExecutor(len(select_items)) as pool:
+            return list(pool.map(one, select_items))
+
+    width, depth = args.width, args.depth
+    problems = [_words(rng, backend, args.context_tokens) for _ in range(args.num_trees)]
+
+    @pl.function
+    def tree(s, problem):
+        s += "Problem: " + problem + "\nLet us think in steps."
+        level = [s]
+        for d in range(depth):
+            nxt = []
+            for node in level:
+                forks = node.fork(width)
+                for i, f in enumerate(forks):
+                    f += f"\nStep {d}.{i}:" + pl.gen(None, max_tokens=args.thought_tokens, ignore_eos=True)
+                nxt.extend(forks)
+            level = nxt
+        s["leaves"] = [f.text() for f in level]
+
+    def lang_tree() -> list:
+        states = tree.run_batch([{"problem": p} for p in problems], temperature=0, backend=backend)
+        return [s["leaves"] for s in states]
+
+    def requests_tree() -> list:
+        def one(problem: str) -> list[str]:
+            level = ["Problem: " + problem + "\nLet us think in steps."]
+            for d in range(depth):
+                prompts = [text + f"\nStep {d}.{i}:" for text in level for i in range(width)]
+                with ThreadPoolExecutor(len(prompts)) as pool:
+                    outs = list(
+                        pool.map(
+                            lambda t: server.complete(
+                                prompt=t, max_tokens=args.thought_tokens, temperature=0, ignore_eos=True
+                            )["choices"][0]["text"],
+                            prompts,
+                        )
+                    )
+                level = [p + o for p, o in zip(prompts, outs, strict=True)]
+            return level
+
+        with ThreadPoolExecutor(len(problems)) as pool:
+            return list(pool.map(one, problems))
+
+    plans: dict[str, list[tuple[str, Callable[[], Any]]]] = {
+        "few-shot": [("requests", requests_few_shot), ("lang", lang_batch(answer))],
+        "select": [
+            ("requests", requests_select),
+            ("lang", lang_batch(choose)),
+            ("lang gen 1", lang_batch(first_token)),
+        ],
+        "tree-of-thought": [("requests", requests_tree), ("lang", lang_tree)],
+    }
+    for workload in workloads:
+        if workload == "select" and not backend.supports_prompt_logprobs():
+            message = str(pl.BackendCapabilityError(backend.name, "select", backend._prompt_logprobs_need))
+            print(f"{workload}: skipped: {message}")
+            notes[workload] = f"skipped: {message}"
+            continue
+        variants = {name: VariantResult(workload, name) for name, _ in plans[workload]}
+        answers: dict[str, Any] = {}
+        for round_ in range(args.warmup + args.repeats):
+            order = plans[workload] if round_ % 2 == 0 else plans[workload][::-1]
+            for name, work in order:
+                sample, answers[name] = measure(server, work)
+                if round_ >= args.warmup:
+                    variants[name].samples.append(sample)
+        same = answers["requests"] == answers["lang"]
+        notes[workload] = {"same_answers": same}
+        print(f"{workload}: the language and the requests gave {'the same' if same else 'DIFFERENT'} answers")
+        results.extend(variants.values())
+    _report(results, notes, args)
+    return 0
+
+
+def _report(results: list[VariantResult], notes: dict, args: argparse.Namespace) -> None:
+    print(f"\n{'workload':<16} {'variant':<12} {'median s':>9} {'computed tokens':>16} {'speedup':>8}")
+    baseline = {r.workload: r for r in results if r.variant == "requests"}
+    rows = []
+    for r in results:
+        base = baseline[r.workload]
+        speedup = base.median_s / r.median_s
+        print(f"{r.workload:<16} {r.variant:<12} {r.median_s:>9.3f} {r.median_computed:>16} {speedup:>7.2f}x")
+        rows.append(
+            {
+                **asdict(r),
+                "median_s": r.median_s,
+                "median_computed_tokens": r.median_computed,
+                "speedup": speedup,
+            }
+        )
+    select = {r.variant: r for r in results if r.workload == "select"}
+    if "lang" in select and "lang gen 1" in select:
+        ratio = select["lang"].median_s / select["lang gen 1"].median_s
+        notes["select_over_gen_of_one_token"] = ratio
+        print(f"select on {len(CHOICES)} choices costs {ratio:.2f}x a gen of one token (same questions)")
+    if args.result_file:
+        with open(args.result_file, "w", encoding="utf-8") as f:
+            json.dump({"config": vars(args) | {"func": None}, "results": rows, "notes": notes}, f, indent=2)
+        print(f"result written to {args.result_file}")

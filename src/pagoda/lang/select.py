@@ -1,0 +1,59 @@
+"""`select`: score every choice by the logprobs of its tokens after the prompt, in one batched call.
+
+The choices are scored as the text would continue: the prompt plus the choice is tokenized whole,
+and the choice's tokens are those from the first position where that differs from the prompt's
+own tokens (so a choice that merges with the prompt's last token scores the merged token). The
+caller commits the prompt first, so every choice's request finds it in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pagoda.lang.backend.base import Backend
+from pagoda.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def choice_spans(prompt_ids: list[int], full_ids: list[list[int]]) -> list[int]:
+    """Where each choice's scored tokens start in its prompt+choice tokens: after the tokens it
+    shares with the prompt, but never at 0 (the first token has no logprob) and never past its
+    last token (every choice scores at least one token)."""
+    return [max(1, min(common_prefix_len(prompt_ids, ids), len(ids) - 1)) for ids in full_ids]
+
+
+def select(
+    backend: Backend, prompt: str, choices: list[str], method: ChoicesSamplingMethod
+) -> ChoicesDecision:
+    backend.check_prompt_logprobs()
+    prompt_ids = backend.tokenize(prompt)
+    full = [backend.tokenize(prompt + choice) for choice in choices]
+    starts = choice_spans(prompt_ids, full)
+    scored = backend.prompt_logprobs(full, starts)
+    input_token_logprobs: list[list[TokenLogprob]] = [
+        [(lp, ids[start + j], None) for j, lp in enumerate(lps)]
+        for ids, start, lps in zip(full, starts, scored, strict=True)
+    ]
+    normalized = [math.fsum(t[0] for t in tokens) / len(tokens) for tokens in input_token_logprobs]
+    unconditional = None
+    if method.requires_unconditional_logprobs:
+        spans = [ids[start:] for ids, start in zip(full, starts, strict=True)]
+        bare = backend.prompt_logprobs(spans, [1] * len(spans))
+        unconditional = [
+            [(None, span[0], None)] + [(lp, span[j + 1], None) for j, lp in enumerate(lps)]
+            for span, lps in zip(spans, bare, strict=True)
+        ]
+    return method(
+        choices=list(choices),
+        normalized_prompt_logprobs=normalized,
+        input_token_logprobs=input_token_logprobs,
+        output_token_logprobs=[[] for _ in choices],
+        unconditional_token_logprobs=unconditional,
+    )

@@ -1,0 +1,123 @@
+"""select against an independent computation from transformers' logits (fp32 tiny model).
+
+The engine-backed tests need prompt logprobs from the engine (SamplingParams.prompt_logprobs and the
+server's prompt_logprobs field); they skip, saying so, until the engine has them, and run as soon as
+it does. The stand-in test runs now: the engine backend's scoring call is replaced by transformers,
+so everything else select does on a real engine (tokenizing, choice spans, the prefix commit, the
+decision) is checked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import pagoda.lang as pl
+
+PROMPT = "Review: the soup was cold and the waiter never came back to our table\nSentiment:"
+# "positive" and "positively" share their first tokens; " pos" and " neg" start with a space token.
+CHOICES = [" positive", " positively", " negative", " neutral"]
+
+
+class TransformersScorer:
+    """logprob of each token given the ones before it, straight from transformers' logits."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def token_logprobs(self, ids: list[int]) -> list[float]:
+        """logprob of ids[i] given ids[:i], for i >= 1."""
+        lp = torch.log_softmax(self.model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        return [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+    def __call__(self, prompt: str, choices: list[str]) -> dict:
+        """Per choice: its tokens after the prompt's own (at least one, never position 0), their
+        logprobs after the prompt, and their logprobs with no prompt (the first None)."""
+        prompt_ids = self.tokenizer(prompt)["input_ids"]
+        cond, uncond, spans = [], [], []
+        for choice in choices:
+            ids = self.tokenizer(prompt + choice)["input_ids"]
+            shared = 0
+            while shared < min(len(ids), len(prompt_ids)) and ids[shared] == prompt_ids[shared]:
+                shared += 1
+            start = max(1, min(shared, len(ids) - 1))
+            cond.append(self.token_logprobs(ids)[start - 1 :])
+            spans.append(ids[start:])
+            uncond.append([None, *self.token_logprobs(ids[start:])])
+        return {"cond": cond, "uncond": uncond, "spans": spans}
+
+
+@pytest.fixture(scope="module")
+def reference(lang_model_dir: str) -> TransformersScorer:
+    return TransformersScorer(lang_model_dir)
+
+
+def _mean(values: list[float]) -> float:
+    return math.fsum(values) / len(values)
+
+
+def _check_against_reference(backend, reference) -> None:
+    ref = reference(PROMPT, CHOICES)
+    assert ref["spans"][0][: len(ref["spans"][0]) - 1] == ref["spans"][1][: len(ref["spans"][0]) - 1]
+
+    @pl.function
+    def pick(s, method):
+        s += PROMPT + pl.select("v", choices=CHOICES, choices_method=method)
+
+    state = pick.run(pl.token_length_normalized, backend=backend)
+    normalized = [_mean(c) for c in ref["cond"]]
+    meta = state.get_meta_info("v")
+    assert meta["normalized_prompt_logprobs"] == pytest.approx(normalized, abs=1e-4)
+    for got, want, span in zip(meta["input_token_logprobs"], ref["cond"], ref["spans"], strict=True):
+        assert [t[1] for t in got] == span
+        assert [t[0] for t in got] == pytest.approx(want, abs=1e-4)
+    assert state["v"] == CHOICES[max(range(len(CHOICES)), key=lambda i: (normalized[i], -i))]
+    assert state.text() == PROMPT + state["v"]
+
+    gains = [
+        _mean([c - (u or 0.0) for c, u in zip(cond, uncond, strict=True)])
+        for cond, uncond in zip(ref["cond"], ref["uncond"], strict=True)
+    ]
+    state = pick.run(pl.unconditional_likelihood_normalized, backend=backend)
+    assert state.get_meta_info("v")["normalized_unconditional_prompt_logprobs"] == pytest.approx(
+        gains, abs=1e-4
+    )
+    assert state["v"] == CHOICES[max(range(len(CHOICES)), key=lambda i: (gains[i], -i))]
+
+    state = pick.run(pl.greedy_token_selection, backend=backend)
+    expected = pl.greedy_token_selection(
+        choices=CHOICES,
+        normalized_prompt_logprobs=normalized,
+        input_token_logprobs=[[(lp, None, None) for lp in c] for c in ref["cond"]],
+        output_token_logprobs=[[] for _ in CHOICES],
+    ).decision
+    assert state["v"] == expected
+
+
+def test_select_matches_transformers(backend, reference) -> None:
+    if not backend.supports_prompt_logprobs():
+        pytest.skip(f"{backend.name} has no prompt logprobs yet (select needs them)")
+    _check_against_reference(backend, reference)
+
+
+def test_select_plumbing_with_transformers_as_the_scorer(engine_backend, reference, monkeypatch) -> None:
+    calls = []
+
+    def prompt_logprobs(prompts: list[list[int]], starts: list[int]) -> list[list[float]]:
+        calls.append(len(prompts))
+        return [
+            reference.token_logprobs(ids)[start - 1 :] for ids, start in zip(prompts, starts, strict=True)
+        ]
+
+    monkeypatch.setattr(engine_backend, "supports_prompt_logprobs", lambda: True)
+    monkeypatch.setattr(engine_backend, "prompt_logprobs", prompt_logprobs)
+    # Everything else is the real engine: each select commits its prompt into the prefix cache.
+    before = engine_backend.usage
+    _check_against_reference(engine_backend, reference)
+    assert engine_backend.usage.num_requests - before.num_requests == 3
+    assert calls == [4, 4, 4, 4]  # all choices in one call; the unconditional pass in a second

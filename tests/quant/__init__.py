@@ -1,0 +1,1 @@
+"""Tests of pagoda.quant: a package, so that its conftest does not shadow tests/conftest.py."""
