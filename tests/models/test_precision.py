@@ -1,11 +1,11 @@
-"""layers/precision.py: bf16 matmuls outside the kernels upcast to fp32 only where bf16 is slow."""
+"""kernels/precision.py: bf16 matmuls outside the kernels upcast to fp32 only where bf16 is slow."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagoda.layers import precision
+from pagoda.kernels import precision
 
 
 @pytest.mark.parametrize(
