@@ -12,7 +12,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from conftest import TINY_DIMS, TINY_VARIANTS
-from distributed.tp_ranks import PROMPTS, all_scenarios, fail_on_rank_one
+from distributed.tp_ranks import FORCED, PROMPTS, all_scenarios, fail_on_rank_one
 from pagoda.distributed import (
     SINGLE,
     DistributedInitError,
@@ -26,6 +26,8 @@ from pagoda.distributed import (
     run_on_ranks,
     vocab_shard,
 )
+from pagoda.entrypoints.cli import main as cli_main
+from pagoda.kernels import build
 from pagoda.layers.sharding import LazyTensor, narrow
 from pagoda.models import load_model
 from pagoda.models.hf_config import parse_hf_config, read_hf_config
@@ -57,16 +59,33 @@ def model_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def tp_run(model_dirs):
-    """`tp_run(size)` → each rank's `all_scenarios` result at that size (size 1 in this process,
-    larger sizes as one multi-process run for all architectures, each started once)."""
+def jobs(model_dirs, tmp_path_factory) -> dict[str, dict]:
+    """The scenarios every size runs: each model in fp32; Qwen2 in bf16 (forced tokens); GGUF Q8_0
+    files (Qwen2: biases, untied; Llama: q/k rows permuted, tied) and Mistral quantized at load."""
+    out = tmp_path_factory.mktemp("tp_gguf")
+    ggufs = {}
+    for arch in ("Qwen2ForCausalLM", "LlamaForCausalLM"):
+        ggufs[arch] = str(out / f"{arch}-q8_0.gguf")
+        assert cli_main(["quantize", model_dirs[arch], ggufs[arch], "--type", "q8_0", "--quiet"]) == 0
+    return {
+        **{name: {"path": path} for name, path in model_dirs.items()},
+        "bf16": {"path": model_dirs[BF16_ARCH], "dtype": torch.bfloat16, "forced": FORCED},
+        **{f"gguf-{arch}": {"path": path, "forced": FORCED} for arch, path in ggufs.items()},
+        "q8_0-at-load": {"path": model_dirs["MistralForCausalLM"], "quantization": "q8_0", "forced": FORCED},
+    }
+
+
+@pytest.fixture(scope="module")
+def tp_run(jobs):
+    """`tp_run(size)` → each rank's `all_scenarios(jobs)` at that size (size 1 in this process,
+    larger sizes as one multi-process run, each started once)."""
 
     def run(size: int) -> list[dict]:
         if size not in _RUNS:
             if size == 1:
-                _RUNS[1] = [all_scenarios(SINGLE, model_dirs, BF16_ARCH)]
+                _RUNS[1] = [all_scenarios(SINGLE, jobs)]
             else:
-                _RUNS[size] = run_on_ranks(all_scenarios, size, (model_dirs, BF16_ARCH), timeout_s=300)
+                _RUNS[size] = run_on_ranks(all_scenarios, size, (jobs,), timeout_s=300)
         return _RUNS[size]
 
     return run
@@ -98,10 +117,35 @@ def test_bf16_shards_run_the_cpu_kernels_close_to_size_one(size, tp_run):
     """bf16 weights are packed for the native kernels on each rank's shard (when they run); the
     all-reduce sums in float32, so logits agree with size 1 to bf16 rounding."""
     single, parallel = tp_run(1)[0]["scenarios"]["bf16"], tp_run(size)[0]["scenarios"]["bf16"]
+    assert parallel["bf16_kernel"] == build.available()
     for seq in PROMPTS:
         logits, tp_logits = single[seq][0], parallel[seq][0]
         assert logits.dtype == torch.float32 and tp_logits.shape == logits.shape
         assert (tp_logits - logits).abs().max() < 0.05 * logits.abs().max()
+
+
+@pytest.mark.parametrize("job", ["gguf-Qwen2ForCausalLM", "gguf-LlamaForCausalLM", "q8_0-at-load"])
+def test_quantized_shards_match_size_one(job, tp_run):
+    """Q8_0 weights split on whole blocks (rows always; o/down columns at 32-value blocks) and
+    multiplied by the quantized kernels on each rank: the same blocks and the same products,
+    summed in another order across ranks. The kernels round activations to 8 bits per block, so
+    an fp32 difference in the last bit can move one activation by a rounding step: we allow 1% of
+    the logits' range (a wrong shard moves them by their whole range)."""
+    single, parallel = tp_run(1)[0]["scenarios"][job], tp_run(2)[0]["scenarios"][job]
+    assert "error" not in single and "error" not in parallel, (single, parallel)
+    assert parallel["weights"] < single["weights"]
+    assert parallel["integer_kernel"] == build.available()
+    for seq in PROMPTS:
+        logits, tp_logits = single[seq][0], parallel[seq][0]
+        assert (tp_logits - logits).abs().max() < 0.01 * logits.abs().max()
+
+
+def test_a_quantized_split_off_block_boundaries_is_a_clear_error_at_load(tp_run):
+    # At size 4 the o_proj input (4 heads x 16) splits into 16 columns: half a Q8_0 block.
+    result = tp_run(4)[0]["scenarios"]["gguf-LlamaForCausalLM"]
+    assert (
+        "o_proj" in result["error"] and "does not fall on whole Q8_0 blocks of 32 values" in result["error"]
+    )
 
 
 def test_collectives_and_pinning(tp_run):

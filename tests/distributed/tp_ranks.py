@@ -8,7 +8,11 @@ import torch
 
 from conftest import PagedKVHarness
 from pagoda.distributed import ParallelGroup
+from pagoda.kernels import cpu_gemm
+from pagoda.layers.linear import LinearBase
 from pagoda.models import load_model
+from pagoda.models.weight_report import weight_report
+from pagoda.quant.linear import QuantLinear
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 4
@@ -60,19 +64,27 @@ def greedy_scenario(
     if not group.is_first:
         return None
     result = {seq: (torch.cat(rows), tokens[seq]) for seq, rows in logits.items()}
-    result["weights"] = sum(p.numel() for p in model.parameters())  # this rank's share
+    result["weights"] = weight_report(model).nbytes  # this rank's share (quantized ones included)
+    packed = [m.packed for m in model.modules() if isinstance(m, LinearBase)]
+    result["bf16_kernel"] = any(isinstance(p, cpu_gemm.PackedWeight) for p in packed)
+    result["integer_kernel"] = any(
+        isinstance(p, QuantLinear) and any(k is not None for k in p.packed) for p in packed
+    )
     return result
 
 
 FORCED = {"a": [7, 300, 12, 99, 150], "b": [250, 1, 64, 180, 33, 5]}
 
 
-def all_scenarios(group: ParallelGroup, paths: dict[str, str], bf16: str | None = None) -> dict:
-    """Every model's fp32 greedy scenario and, for model `bf16`, a bf16 one on forced tokens (on
-    rank 0); on every rank, `collectives`."""
-    results = {name: greedy_scenario(group, path) for name, path in paths.items()}
-    if bf16 is not None:
-        results["bf16"] = greedy_scenario(group, paths[bf16], torch.bfloat16, forced=FORCED)
+def all_scenarios(group: ParallelGroup, jobs: dict[str, dict]) -> dict:
+    """`greedy_scenario(group, **job)` for each job (on rank 0: its result, or the ValueError
+    loading raised, as `{"error": message}`); on every rank, `collectives`."""
+    results = {}
+    for name, job in jobs.items():
+        try:
+            results[name] = greedy_scenario(group, **job)
+        except ValueError as err:  # raised while loading, on every rank alike
+            results[name] = {"error": str(err)}
     return {"scenarios": results if group.is_first else None, "collectives": collectives(group)}
 
 
