@@ -35,8 +35,9 @@ from pagoda.models.synthetic import build_random_model
 from pagoda.quant.formats import GGMLType
 from pagoda.quant.tensor import GGMLTensor
 
-# The four tiny architectures, and a Llama with o_proj and MLP biases (row-parallel biases).
-ARCHS = [*TINY_VARIANTS, "llama-biases"]
+# The four tiny architectures, a Llama with o_proj and MLP biases (row-parallel biases) and a
+# Qwen2 whose vocabulary does not divide by the sizes (uneven vocab shards, padded gather).
+ARCHS = [*TINY_VARIANTS, "llama-biases", "qwen2-odd-vocab"]
 BF16_ARCH = "Qwen2ForCausalLM"
 ATOL = 1e-4
 _RUNS: dict[int, list[dict]] = {}
@@ -55,7 +56,16 @@ def model_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
         attention_bias=True,
         mlp_bias=True,
     )
-    return {**tiny_model_dirs, "llama-biases": biased}
+    odd_vocab = build_random_model(
+        tmp_path_factory.mktemp("tp") / "qwen2-odd-vocab",
+        "Qwen2ForCausalLM",
+        **{**TINY_DIMS, "vocab_size": 381},
+        tie_word_embeddings=True,
+        dtype=torch.float32,
+        seed=12,
+        initializer_range=0.1,
+    )
+    return {**tiny_model_dirs, "llama-biases": biased, "qwen2-odd-vocab": odd_vocab}
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +165,7 @@ def test_collectives_and_pinning(tp_run):
     assert ranks[0]["gather"] == [0.0, 0.0, 1.0, 1.0] and ranks[1]["gather"] is None
     assert [r["broadcast"] for r in ranks] == [[5.0, 5.0]] * 2
     assert [r["bf16_all_reduce"] for r in ranks] == [[2.0] * 4] * 2
+    assert [r["object"] for r in ranks] == [{"step": 3, "ids": [1, 2]}] * 2
     for rank, result in enumerate(ranks):
         assert result["cores"] == rank_cores(rank, 2) and result["threads"] == len(result["cores"])
 

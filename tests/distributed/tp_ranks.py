@@ -97,6 +97,7 @@ def collectives(group: ParallelGroup) -> dict:
         "gather": (lambda t: None if t is None else t.tolist())(group.gather(torch.full((2,), rank), dim=0)),
         "broadcast": group.broadcast(torch.full((2,), rank + 5)).tolist(),
         "bf16_all_reduce": group.all_reduce(torch.ones(4, dtype=torch.bfloat16)).float().tolist(),
+        "object": group.broadcast_object({"step": 3, "ids": [1, 2]} if group.is_first else None),
         "cores": sorted(os.sched_getaffinity(0)),
         "threads": torch.get_num_threads(),
     }

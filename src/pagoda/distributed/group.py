@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,15 @@ class ParallelGroup:
         if self.size > 1:
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
         return tensor
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """A picklable object from rank `src` (pass it there; anything elsewhere) to every rank:
+        how a step message can travel from the scheduling rank to the workers."""
+        if self.size == 1:
+            return obj
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
+        return box[0]
 
     def barrier(self) -> None:
         if self.size > 1:
