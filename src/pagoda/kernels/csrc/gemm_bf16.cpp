@@ -69,7 +69,11 @@ constexpr int kAheadRows = 1;
 constexpr int64_t kSingleGroupRows = 64;
 constexpr int64_t kGroupBytes = 128 << 10;
 constexpr int64_t kChunkBytes = 256 << 10;  // weight bytes per task
-constexpr int kPrefetchRows = 16;           // panel rows ahead to prefetch when few rows stream
+// Panel rows ahead to prefetch when few rows stream NP panels: about 4 KB in flight over all
+// streams. (AMD Zen 4, one thread, decode GEMMs of Qwen2.5-0.5B's shape with 8 streams: 8 rows
+// ahead read 15% faster than 16 and 30% faster than 32; with AVX2's 3 streams 8 and 16 measured
+// the same.)
+constexpr int prefetch_rows(int np) { return np >= 6 ? 8 : 16; }
 
 enum Epilogue : int64_t { kPlain = 0, kSwiGLU = 1 };
 
@@ -154,7 +158,7 @@ template <int MR, int NP, typename X>
   const auto prefetch = [&](int p, int64_t kp) {
     const uint16_t* src = w + p * pstride + kp * kRowElems;
     if (MR <= kAheadRows) {
-      _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchRows * kRowElems), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(src + prefetch_rows(NP) * kRowElems), _MM_HINT_T0);
     } else if (next) {
       _mm_prefetch(reinterpret_cast<const char*>(next + p * pstride + kp * kRowElems), _MM_HINT_T1);
     }
