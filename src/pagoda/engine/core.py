@@ -1,13 +1,20 @@
-"""The engine core: a scheduler, a KV cache and a model runner, stepped in one loop."""
+"""The engine core: a scheduler, a KV cache and a model runner, stepped in one loop.
+
+It speaks only messages (engine/messages.py): `EngineCoreRequest` in, `EngineCoreOutput` out, an
+`EngineStats` snapshot on request. Every way a request ends early (a stop string the front end
+found, a client that went away, a user abort, shutdown) goes through `abort_requests`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from pagoda.cache.kv_manager import KVCacheManager
 from pagoda.config import EngineConfig
+from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, FinishReason
 from pagoda.outputs import Logprob
 from pagoda.request import Request
 from pagoda.sample.metadata import make_generator
@@ -16,12 +23,11 @@ from pagoda.step import SampledTokens
 from pagoda.structured import GrammarManager
 from pagoda.worker.model_runner import ModelRunner
 
+logger = logging.getLogger(__name__)
 
-@dataclass
-class StepOutput:
-    request: Request
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, Logprob]] | None
+
+class _GrammarViolation(Exception):
+    """A sampled token its grammar rejects: that request fails, the engine serves on."""
 
 
 class EngineCore:
@@ -37,19 +43,73 @@ class EngineCore:
         self.num_jump_forward_accepted = 0  # drafts that sampling confirmed
 
     # ---- requests --------------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        if request.params.seed is not None and not request.params.greedy:
-            request.generator = make_generator(request.params.seed, self.device)
+    def add_request(self, msg: EngineCoreRequest) -> None:
+        if msg.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {msg.request_id!r} is already in use")
+        request = Request(
+            msg.request_id,
+            msg.prompt_token_ids,
+            msg.params,
+            max_tokens=msg.max_tokens,
+            eos_token_ids=msg.eos_token_ids,
+            cache_salt=msg.cache_salt,
+            arrival_time=msg.arrival_time,
+            fork_source=self.scheduler.requests.get(msg.fork_of) if msg.fork_of else None,
+        )
+        if msg.grammar is not None:
+            request.grammar = msg.grammar.new_matcher()
+        if msg.params.seed is not None and not msg.params.greedy:
+            request.generator = make_generator(msg.params.seed, self.device)
         self.scheduler.add_request(request)
 
-    def abort_requests(self, request_ids: list[str]) -> list[Request]:
-        return self.scheduler.finish_requests(request_ids, "abort")
+    def abort_requests(
+        self,
+        request_ids: Iterable[str],
+        reason: FinishReason = "abort",
+        stop_reasons: Mapping[str, str] | None = None,
+        error: str | None = None,
+    ) -> list[EngineCoreOutput]:
+        """Finish requests from outside the step (unknown or finished ids are skipped) and free
+        their blocks now. Returns their final outputs."""
+        finished = self.scheduler.finish_requests(list(request_ids), reason, stop_reasons)
+        return [
+            EngineCoreOutput(
+                r.request_id,
+                [],
+                None,
+                r.finish_reason,
+                r.stop_reason,
+                max(r.num_cached_tokens, 0),
+                error if r.finish_reason == "error" else None,
+            )
+            for r in finished
+        ]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def stats(self) -> EngineStats:
+        s, kv = self.scheduler.stats, self.kv
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=kv.usage,
+            num_free_blocks=kv.pool.num_free,
+            num_blocks=kv.num_blocks,
+            num_preemptions=s.num_preemptions,
+            num_finished=s.num_finished,
+            num_computed_tokens=s.num_computed_tokens,
+            num_steps=s.num_steps,
+            num_sequence_steps=s.num_sequence_steps,
+            prefix_cache_queries=kv.stats.queried_tokens,
+            prefix_cache_hits=kv.stats.hit_tokens,
+            num_evicted_blocks=kv.num_evicted_blocks,
+            jump_forward_drafts=self.num_jump_forward_tokens,
+            jump_forward_accepted=self.num_jump_forward_accepted,
+        )
+
     # ---- the loop --------------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -61,14 +121,22 @@ class EngineCore:
         requests = self.scheduler.requests
         sampled: dict[str, SampledTokens] = {}
         logprobs: dict[str, list[dict[int, Logprob]]] = {}
+        failed: dict[str, str] = {}  # request id -> why it fails
         for rid, tok in result.sampled.items():
+            try:
+                if requests[rid].grammar is not None:
+                    self._accept(requests[rid], tok)
+            except _GrammarViolation as exc:
+                failed[rid] = str(exc)
+                continue
             sampled[rid] = SampledTokens([tok])
             if rid in result.logprobs:
                 logprobs[rid] = [result.logprobs[rid]]
-            if requests[rid].grammar is not None:
-                self._accept(requests[rid], tok)
         for rid, draft_logits in result.draft_logits.items():
-            sampled[rid], logprobs[rid] = self._verify_drafts(requests[rid], draft_logits)
+            try:
+                sampled[rid], logprobs[rid] = self._verify_drafts(requests[rid], draft_logits)
+            except _GrammarViolation as exc:
+                failed[rid] = str(exc)
         for rid, res in sampled.items():
             if requests[rid].grammar is not None:
                 res.drafts = self._jump_forward(requests[rid], res.tokens)
@@ -78,7 +146,19 @@ class EngineCore:
         for req in changed:
             new = req.token_ids[verified[req.request_id] : req.num_tokens - req.num_draft_tokens]
             lp = logprobs.get(req.request_id)
-            outputs.append(StepOutput(req, new, lp[: len(new)] if lp else None))
+            outputs.append(
+                EngineCoreOutput(
+                    req.request_id,
+                    new,
+                    lp[: len(new)] if lp else None,
+                    req.finish_reason,
+                    req.stop_reason,
+                    max(req.num_cached_tokens, 0),
+                )
+            )
+        for rid, why in failed.items():
+            logger.warning("request %s failed: %s", rid, why)
+            outputs.extend(self.abort_requests([rid], "error", error=why))
         return outputs
 
     # ---- structured output -----------------------------------------------------------------------
@@ -91,7 +171,10 @@ class EngineCore:
 
     def _accept(self, req: Request, token: int) -> None:
         if not req.grammar.accept_token(token):
-            raise RuntimeError(f"{req.request_id}: sampled token {token} violates its grammar")
+            raise _GrammarViolation(
+                f"sampled token {token} is not allowed by the request's grammar (a dead end of the "
+                "grammar over this vocabulary); generation stopped"
+            )
 
     def _verify_drafts(self, req: Request, logits: torch.Tensor) -> tuple[SampledTokens, list]:
         """Sample at each draft position in order, exactly as decoding one token per step would

@@ -5,6 +5,7 @@ far as the token budget, max_num_seqs and the KV pool allow."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagoda.cache.kv_manager import KVCacheManager
@@ -39,8 +40,11 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_requests(self, request_ids: list[str], reason: str) -> list[Request]:
-        """Finish requests from outside the step (abort, stop string); frees their blocks now."""
+    def finish_requests(
+        self, request_ids: list[str], reason: str, stop_reasons: Mapping[str, str] | None = None
+    ) -> list[Request]:
+        """Finish requests from outside the step (abort, stop string, error); frees their blocks
+        now. Unknown and finished ids are skipped."""
         done = []
         for rid in request_ids:
             req = self.requests.get(rid)
@@ -50,7 +54,8 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
-            req.finish_reason = req.finish_reason or reason
+            req.finish_reason = reason
+            req.stop_reason = stop_reasons.get(rid) if stop_reasons else None
             self._finish(req)
             done.append(req)
         return done
