@@ -15,6 +15,7 @@ from pagoda.request import Request
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    block_ids: list[int]  # its block table, from the KV manager (read-only here)
 
     @property
     def samples(self) -> bool:

@@ -72,6 +72,8 @@ class EngineCore:
         """Finish requests from outside the step (unknown or finished ids are skipped) and free
         their blocks now. Returns their final outputs."""
         finished = self.scheduler.finish_requests(list(request_ids), reason, stop_reasons)
+        if finished:
+            self._after_change()
         return [
             EngineCoreOutput(
                 r.request_id,
@@ -159,7 +161,14 @@ class EngineCore:
         for rid, why in failed.items():
             logger.warning("request %s failed: %s", rid, why)
             outputs.extend(self.abort_requests([rid], "error", error=why))
+        self._after_change()
         return outputs
+
+    def _after_change(self) -> None:
+        """The KV accounting invariant, whenever the engine goes idle (and after every step and
+        abort with the debug switch on)."""
+        if self.config.check_invariants or not self.has_unfinished():
+            self.check_invariants()
 
     # ---- structured output -----------------------------------------------------------------------
     def _fill_bitmask(self, batch: list[Request]) -> torch.Tensor | None:

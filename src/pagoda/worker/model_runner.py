@@ -136,9 +136,7 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
         num_decodes = sum(s.num_new_tokens == 1 for s in batch)  # sorted: decodes come first
         max_blocks = max(-(-sl // bs) for sl in seq_lens)
-        tables = [
-            s.request.block_ids[:max_blocks] + [0] * (max_blocks - len(s.request.block_ids)) for s in batch
-        ]
+        tables = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids)) for s in batch]
 
         dev = self.device
         pos = torch.tensor(positions, dtype=torch.int64)
