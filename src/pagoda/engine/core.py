@@ -10,16 +10,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
-import torch
-
 from pagoda.cache.kv_manager import KVCacheManager
 from pagoda.config import EngineConfig
 from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, FinishReason
-from pagoda.outputs import Logprob
 from pagoda.request import Request
 from pagoda.sample.metadata import make_generator
 from pagoda.scheduler.scheduler import Scheduler
-from pagoda.step import SampledTokens
+from pagoda.step import GrammarMasks, SchedulerOutput
 from pagoda.structured import GrammarManager
 from pagoda.worker.model_runner import ModelRunner
 
@@ -119,35 +116,31 @@ class EngineCore:
                     f"the scheduler cannot start {self.scheduler.waiting[0]} with an idle engine"
                 )
             return []
-        result = self.runner.execute(sched, self._fill_bitmask if self.grammars else None)
+        result = self.runner.execute(sched, self._grammar_masks(sched))
         requests = self.scheduler.requests
-        sampled: dict[str, SampledTokens] = {}
-        logprobs: dict[str, list[dict[int, Logprob]]] = {}
+        sampled = result.sampled
         failed: dict[str, str] = {}  # request id -> why it fails
-        for rid, tok in result.sampled.items():
-            try:
-                if requests[rid].grammar is not None:
-                    self._accept(requests[rid], tok)
-            except _GrammarViolation as exc:
-                failed[rid] = str(exc)
+        for rid, res in list(sampled.items()):
+            req = requests[rid]
+            self.num_jump_forward_accepted += res.num_accepted_drafts
+            if req.grammar is None:
                 continue
-            sampled[rid] = SampledTokens([tok])
-            if rid in result.logprobs:
-                logprobs[rid] = [result.logprobs[rid]]
-        for rid, draft_logits in result.draft_logits.items():
             try:
-                sampled[rid], logprobs[rid] = self._verify_drafts(requests[rid], draft_logits)
+                # The masks left the grammar past every draft: keep the accepted ones, then the
+                # token sampling chose.
+                req.grammar.rollback(req.num_draft_tokens - res.num_accepted_drafts)
+                self._accept(req, res.tokens[-1])
             except _GrammarViolation as exc:
                 failed[rid] = str(exc)
-        for rid, res in sampled.items():
-            if requests[rid].grammar is not None:
-                res.drafts = self._jump_forward(requests[rid], res.tokens)
+                del sampled[rid]
+                continue
+            res.drafts = self._jump_forward(req, res.tokens)
         verified = {rid: requests[rid].num_tokens - requests[rid].num_draft_tokens for rid in sampled}
         changed = self.scheduler.update_from_output(sched, sampled)
         outputs = []
         for req in changed:
             new = req.token_ids[verified[req.request_id] : req.num_tokens - req.num_draft_tokens]
-            lp = logprobs.get(req.request_id)
+            lp = result.logprobs.get(req.request_id)
             outputs.append(
                 EngineCoreOutput(
                     req.request_id,
@@ -171,12 +164,37 @@ class EngineCore:
             self.check_invariants()
 
     # ---- structured output -----------------------------------------------------------------------
-    def _fill_bitmask(self, batch: list[Request]) -> torch.Tensor | None:
-        if all(r.grammar is None for r in batch):
+    def _grammar_masks(self, sched: SchedulerOutput) -> GrammarMasks | None:
+        """The bitmasks of every constrained row this step samples, built before the forward pass:
+        one row per plain request, and k + 1 rows for a request with k drafts (row i from its
+        grammar after drafts[:i])."""
+        reqs = [s.request for s in sched.scheduled if s.samples and s.request.grammar is not None]
+        if not reqs:
             return None
-        bitmask = self.grammars.allocate_bitmask(len(batch))
-        self.grammars.fill_bitmask(bitmask, [r.grammar for r in batch])
-        return bitmask.to(self.device, non_blocking=True)
+        plain = [r for r in reqs if not r.num_draft_tokens]
+        drafted = [r for r in reqs if r.num_draft_tokens]
+        bitmask = self.grammars.allocate_bitmask(
+            len(plain) + 1 + sum(r.num_draft_tokens + 1 for r in drafted)
+        )
+        rows = {r.request_id: i for i, r in enumerate(plain)}
+        free_row = len(plain)  # all-allowed, as allocated
+        if plain:
+            self.grammars.fill_bitmask(bitmask, [r.grammar for r in plain])
+        row = free_row + 1
+        one = self.grammars.allocate_bitmask(1) if drafted else None
+        for r in drafted:
+            # The grammar accepted the drafts when they were proposed: walk it back through them.
+            k = r.num_draft_tokens
+            drafts = r.token_ids[r.num_tokens - k :]
+            r.grammar.rollback(k)
+            rows[r.request_id] = row
+            for i in range(k + 1):
+                self.grammars.fill_bitmask(one, [r.grammar])
+                bitmask[row + i].copy_(one[0])
+                if i < k and not r.grammar.accept_token(drafts[i]):
+                    raise RuntimeError(f"{r.request_id}: its grammar no longer accepts its own draft")
+            row += k + 1
+        return GrammarMasks(bitmask.to(self.device, non_blocking=True), rows, free_row)
 
     def _accept(self, req: Request, token: int) -> None:
         if not req.grammar.accept_token(token):
@@ -184,29 +202,6 @@ class EngineCore:
                 f"sampled token {token} is not allowed by the request's grammar (a dead end of the "
                 "grammar over this vocabulary); generation stopped"
             )
-
-    def _verify_drafts(self, req: Request, logits: torch.Tensor) -> tuple[SampledTokens, list]:
-        """Sample at each draft position in order, exactly as decoding one token per step would
-        (same masks, penalties and random draws); keep drafts while the samples agree with them."""
-        k = req.num_draft_tokens
-        drafts = req.token_ids[-k:]
-        req.grammar.rollback(k)
-        history = req.output_token_ids
-        tokens: list[int] = []
-        logprobs: list[dict[int, Logprob]] = []
-        for i in range(k + 1):
-            sampled, lps = self.runner.sample(
-                logits[i : i + 1], [req], self._fill_bitmask([req]), [history + tokens]
-            )
-            tok = sampled[req.request_id]
-            self._accept(req, tok)
-            tokens.append(tok)
-            if req.request_id in lps:
-                logprobs.append(lps[req.request_id])
-            if i == k or tok != drafts[i]:
-                break
-        self.num_jump_forward_accepted += len(tokens) - 1
-        return SampledTokens(tokens, num_accepted_drafts=len(tokens) - 1), logprobs
 
     def _jump_forward(self, req: Request, tokens: list[int]) -> list[int]:
         """Tokens the grammar forces after `tokens`, proposed as drafts for the next step."""
