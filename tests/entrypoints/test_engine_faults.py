@@ -17,7 +17,10 @@ import pytest
 from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.openai.app import build_state, create_app
+from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.serving_common import GenerationError, checked, collect, error_event
 from pagoda.entrypoints.server_args import ServerArgs
+from pagoda.outputs import CompletionOutput, RequestOutput
 from server_utils import SRC_DIR, ServerProcess, free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -120,3 +123,41 @@ def test_health_turns_503_when_the_engine_dies(tiny_llama_dir: str, monkeypatch)
         asyncio.run(check())
     finally:
         state.engine.shutdown()
+
+
+class _Outputs:
+    """Stands in for a RequestStream: the given outputs, in order."""
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        self.outputs = outputs
+
+    async def __aiter__(self):
+        for out in self.outputs:
+            yield out
+
+
+def test_a_failed_completion_is_a_500_or_an_error_event() -> None:
+    """finish_reason "error" (one request failed, the engine serves on) is that request's error."""
+    ok = RequestOutput("a", None, [1], [CompletionOutput(0, "x", [5], None, "length")], True)
+    failed = RequestOutput(
+        "b",
+        None,
+        [1],
+        [CompletionOutput(0, "", [], None, "error", None, "sampled token 9 is not allowed")],
+        True,
+    )
+    assert asyncio.run(collect(_Outputs([ok]))) == [ok]
+    with pytest.raises(APIError) as err:
+        asyncio.run(collect(_Outputs([ok, failed])))
+    assert err.value.status == 500 and err.value.code == "generation_error"
+    assert "sampled token 9" in err.value.message
+
+    async def stream() -> list[str]:
+        try:
+            return [out.request_id async for out in checked(_Outputs([ok, failed]))]
+        except GenerationError as exc:
+            return [error_event(exc)]
+
+    (event,) = asyncio.run(stream())
+    body = json.loads(event.removeprefix("data: "))["error"]
+    assert body["code"] == "generation_error" and "sampled token 9" in body["message"]
