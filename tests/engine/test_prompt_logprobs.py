@@ -5,6 +5,7 @@ ordinary requests, n > 1, logprob_start_len; and vLLM's dict prompts."""
 from __future__ import annotations
 
 import functools
+import pickle
 import random
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagoda import LLM, SamplingParams
+from pagoda.engine.messages import EngineCoreRequest
 from pagoda.limits import RequestLimits
 from pagoda.outputs import Logprob
 
@@ -32,7 +34,9 @@ def hf_logprobs(path: str, prompt: tuple[int, ...]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def check_entries(path: str, prompt: list[int], entries, k: int, start: int = 1) -> None:
+def check_entries(
+    path: str, prompt: list[int], entries, k: int, start: int = 1, decoded: bool = True
+) -> None:
     """`entries` is vLLM's prompt_logprobs: None before `start`, then the prompt token (with its
     rank) plus the top-k, all equal to transformers' within TOL."""
     ref = hf_logprobs(path, tuple(prompt))
@@ -52,7 +56,7 @@ def check_entries(path: str, prompt: list[int], entries, k: int, start: int = 1)
         assert len(top) == k
         for (_rank, t, lp), v in zip(top, row.topk(k).values.tolist(), strict=True):
             assert abs(lp - v) < TOL and abs(row[t].item() - lp) < TOL
-        assert got.decoded_token is not None
+        assert (got.decoded_token is not None) == decoded
 
 
 def prompts(n: int, seed: int, lo: int = 2, hi: int = 40) -> list[list[int]]:
@@ -141,6 +145,26 @@ def test_streaming_outputs_carry_prompt_logprobs_once(tiny_model_dirs):
     with_lps = [x for x in seen if x is not None]
     assert len(with_lps) == 1 and seen[0] is not None
     check_entries(path, prompt, with_lps[0], 0)
+
+
+def test_core_sends_prompt_logprobs_once_as_data(tiny_model_dirs):
+    """At the core's boundary: chunked prefill scores chunk by chunk, and the entries travel once,
+    on the EngineCoreOutput with the first tokens, as plain picklable data."""
+    path = tiny_model_dirs["LlamaForCausalLM"]
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=6)
+    core = llm.engine.core
+    prompt = prompts(1, seed=11, lo=20, hi=20)[0]
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1)
+    core.add_request(EngineCoreRequest("c", prompt, params, 3, frozenset(), 0.0))
+    outputs = []
+    while core.has_unfinished():
+        outputs += core.step()
+    with_lps = [o for o in outputs if o.prompt_logprobs is not None]
+    assert len(with_lps) == 1 and with_lps[0] is next(o for o in outputs if o.new_token_ids)
+    sent = pickle.loads(pickle.dumps(with_lps[0]))
+    assert sent == with_lps[0]
+    check_entries(path, prompt, sent.prompt_logprobs, 1, decoded=False)  # text is the front end's
+    core.check_invariants()
 
 
 def test_dict_prompts(tiny_model_dirs):

@@ -25,6 +25,7 @@ from pagoda.entrypoints.openai.serving_common import (
     ServerState,
     StreamResponse,
     check_logprob_start,
+    checked,
     collect,
     error_event,
     make_usage,
@@ -135,7 +136,7 @@ async def _stream(
     # The prompt's logprobs come with its first output; every sample's echo needs them.
     prompt_lps: dict[int, list] = {}
     try:
-        async for out in stream:
+        async for out in checked(stream):
             cached[out.request_id] = out.num_cached_tokens
             p = index_of[out.request_id]
             if out.prompt_logprobs is not None:
