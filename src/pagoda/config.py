@@ -1,118 +1,80 @@
-"""Frozen, validated configuration of each engine component."""
+"""Engine configuration, declared once.
+
+`EngineArgs` is what a user may set: the keyword arguments of `LLM(...)` and, generated from its
+fields (`pagoda.cli_args`), the engine flags of `pagoda serve / generate / chat / bench offline`.
+`pagoda.engine.resolve.resolve_engine_config` turns it, with what the model's config.json and the
+KV memory budget say, into one frozen `EngineConfig`; each component gets its part of that:
+the model runner `ModelConfig`, the KV cache `CacheConfig`, the scheduler `SchedulerConfig`, the
+engine core's structured-output settings `StructuredOutputConfig`.
+
+Stdlib only at import time (torch only in annotations), so that building the CLI stays fast.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-
+from pagoda.cli_args import arg
 from pagoda.limits import RequestLimits
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+if TYPE_CHECKING:
+    import torch
 
-
-def resolve_dtype(dtype: str | torch.dtype, model_dir: str) -> torch.dtype:
-    """'auto' takes the checkpoint's dtype (float32 if it names none)."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
-        return dtype
-    if dtype == "auto":
-        if model_dir.lower().endswith(".gguf"):
-            from pagoda.quant.gguf_file import default_dtype
-
-            return default_dtype(model_dir)
-        with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)
-        name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-        return _DTYPES.get(name, torch.float32)
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
-    return _DTYPES[dtype]
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"unknown device {device!r}: {e}") from None
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # wins over kv_cache_memory_gb when given
-    kv_cache_memory_gb: float = 1.0
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size > 1024:
-            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
-        if self.num_kv_blocks is not None and (
-            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1
-        ):
-            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
-        if not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    policy: Literal["fcfs", "lpm"] = "lpm"
-    # lpm (longest prefix match) may reorder the waiting queue; a request passed over this many
-    # times is served next regardless, so nothing starves.
-    max_skips: int = 8
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_skips"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name == "max_skips" else 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.policy not in ("fcfs", "lpm"):
-            raise ValueError(f"scheduling policy must be 'fcfs' or 'lpm', got {self.policy!r}")
+# Weight types a float checkpoint can be quantized to at load (pagoda.quant.formats.LOAD_TIME_TYPES).
+LOAD_TIME_QUANTIZATIONS = ("q8_0", "q4_0", "q4_k")
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half")
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """Everything a user may set when creating an engine (flat, vLLM-style names)."""
+    """Everything a user may set when creating an engine (flat, vLLM-style names).
 
-    model: str  # a Hugging Face model folder or a .gguf file
-    tokenizer: str | None = None  # defaults to the model folder (or the GGUF file's own tokenizer)
-    # Quantize a float checkpoint's weights at load: "q8_0", "q4_0" or "q4_k" (None: as stored).
-    quantization: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    scheduling_policy: str = "lpm"
-    enable_jump_forward: bool = True
-    # Propose jump-forward drafts only while at most this many requests run. None: 4 on the CPU
-    # (a larger decode batch is compute-bound there, so rejected drafts cost more than the passes
-    # they save), no limit on other devices.
-    jump_forward_max_running: int | None = None
+    To add an engine option: add a field here with `arg(default, help=...)`, validate it in
+    `__post_init__`, and resolve it in `pagoda.engine.resolve` into the part of `EngineConfig`
+    whose component uses it. The flag `--field-name` appears on every engine command.
+    """
+
+    model: str  # a Hugging Face model folder or a .gguf file; the commands' positional MODEL
+    tokenizer: str | None = arg(
+        None, help="tokenizer folder", default_text="MODEL (a GGUF file's own tokenizer)"
+    )
+    quantization: str | None = arg(
+        None,
+        help="quantize a float checkpoint's weights at load",
+        choices=LOAD_TIME_QUANTIZATIONS,
+        default_text="as stored",
+    )
+    dtype: str = arg(
+        "auto",
+        help="weight and activation dtype; auto: the checkpoint's (float32 if it names none)",
+        choices=DTYPE_NAMES,
+    )
+    device: str = arg("auto", help="auto, cpu, cuda or cuda:N; auto: cuda if available, else cpu")
+    seed: int = arg(0, help="engine random seed")
+    block_size: int = arg(16, help="tokens per KV block")
+    num_kv_blocks: int | None = arg(
+        None, help="KV blocks to allocate (wins over --kv-cache-memory-gb)", default_text="from the memory"
+    )
+    kv_cache_memory_gb: float = arg(1.0, help="memory for the KV cache, GiB")
+    enable_prefix_caching: bool = arg(True, help="reuse the KV of shared prompt prefixes")
+    max_model_len: int | None = arg(None, help="context length", default_text="the model's maximum")
+    max_num_seqs: int = arg(256, help="sequences per step")
+    max_num_batched_tokens: int = arg(2048, help="tokens per step")
+    scheduling_policy: Literal["fcfs", "lpm"] = arg(
+        "lpm", help="order of waiting requests: first come first served, or longest prefix match"
+    )
+    enable_jump_forward: bool = arg(True, help="structured output: emit forced tokens without a forward pass")
+    # Measured on a 2-core CPU: drafts pay off for a few streams, not for a large decode batch,
+    # which is compute-bound there (see pagoda.engine.resolve.CPU_JUMP_FORWARD_MAX_RUNNING).
+    jump_forward_max_running: int | None = arg(
+        None,
+        help="propose jump-forward drafts only while at most this many requests run",
+        default_text="4 on the CPU, no limit elsewhere",
+    )
     # Limits on every size a request can choose (n, stop strings, grammar size, ...): see limits.py.
+    # Its fields are flags of `pagoda serve` themselves (--max-n, ...).
     limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
@@ -129,19 +91,26 @@ class EngineArgs:
             raise ValueError(f"model folder {self.model!r} does not exist")
         elif not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model folder {self.model!r} has no config.json")
-        if self.quantization is not None:
-            from pagoda.quant.formats import LOAD_TIME_TYPES
-
-            if self.quantization not in LOAD_TIME_TYPES:
-                raise ValueError(
-                    f"quantization must be one of {', '.join(LOAD_TIME_TYPES)}, got {self.quantization!r}"
-                )
+        if self.quantization is not None and self.quantization not in LOAD_TIME_QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(LOAD_TIME_QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, float32, bfloat16, float16")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
+        if self.num_kv_blocks is not None and (
+            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1
+        ):
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.jump_forward_max_running is not None and (
             not isinstance(self.jump_forward_max_running, int) or self.jump_forward_max_running < 1
         ):
@@ -150,22 +119,78 @@ class EngineArgs:
             )
         if not isinstance(self.limits, RequestLimits):
             raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
-        # Validate the component configs early, so a bad value fails before the model loads.
-        self.cache_config()
+        # The scheduler's own checks, before the model loads (the context length is not known yet).
         self.scheduler_config(self.max_model_len or 2)
-
-    def cache_config(self) -> CacheConfig:
-        return CacheConfig(
-            block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks,
-            kv_cache_memory_gb=self.kv_cache_memory_gb,
-            enable_prefix_caching=self.enable_prefix_caching,
-        )
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len,
-            policy=self.scheduling_policy,  # type: ignore[arg-type]
+            policy=self.scheduling_policy,
         )
+
+
+# ---- the resolved configuration: one frozen part per component ----------------------------------------
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the model runner loads and runs."""
+
+    path: str  # a model folder or a .gguf file
+    dtype: torch.dtype
+    device: torch.device
+    seed: int  # of the sampler's shared generator
+    quantization: str | None = None  # quantize at load (a float checkpoint only)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache: its block geometry, size and whether prefixes are shared."""
+
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096  # the context length: prompt plus generated tokens
+    policy: Literal["fcfs", "lpm"] = "lpm"
+    # lpm (longest prefix match) may reorder the waiting queue; a request passed over this many
+    # times is served next regardless, so nothing starves.
+    max_skips: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_skips"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "max_skips" else 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.policy not in ("fcfs", "lpm"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'lpm', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class StructuredOutputConfig:
+    enable_jump_forward: bool = True
+    jump_forward_max_running: int | None = None  # None: no limit
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine runs with, resolved once (see `pagoda.engine.resolve`)."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    structured: StructuredOutputConfig
+    tokenizer: str  # tokenizer folder
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagoda.cli_args import arg
 from pagoda.sampling_params import SamplingParams, StructuredOutputs
 
 # OpenAI's maximum for logprobs / top_logprobs; SamplingParams enforces it too.
@@ -32,29 +33,43 @@ class LimitError(ValueError):
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Each field bounds one size a request chooses; the server flag is the field name with dashes
-    (`max_n` -> `--max-n`). `max_prompt_chars=None` means 64 characters per token of context."""
+    """Each field bounds one size a request chooses; each is a flag of `pagoda serve` (the field
+    name with dashes: `max_n` -> `--max-n`). `max_prompt_chars=None` means 64 characters per token
+    of context."""
 
-    max_n: int = 128  # samples per prompt (n)
-    max_sequences: int = 256  # sequences one request adds: prompts x n
-    max_logprobs: int = MAX_LOGPROBS  # logprobs / top_logprobs
-    max_stop: int = 64  # entries of stop, and of stop_token_ids
-    max_stop_chars: int = 1024  # characters of one stop string
-    max_logit_bias: int = 1024  # logit_bias entries
-    max_messages: int = 2048  # chat messages
-    max_prompt_chars: int | None = None  # prompt characters, checked before tokenizing
-    max_grammar_chars: int = 65536  # a JSON schema (as compact JSON), regex, grammar or the choices
-    max_grammar_depth: int = 32  # nesting of a JSON schema, or of groups in a regex or grammar
-    grammar_compile_timeout_s: float = 30.0  # a grammar compiling longer fails (and is abandoned)
+    max_n: int = arg(128, help="samples per prompt (n)", metavar="N")
+    max_sequences: int = arg(256, help="sequences one request adds: prompts x n", metavar="N")
+    max_logprobs: int = arg(MAX_LOGPROBS, help="logprobs / top_logprobs (at most 20, as OpenAI)", metavar="N")
+    max_stop: int = arg(64, help="entries of stop, and of stop_token_ids", metavar="N")
+    max_stop_chars: int = arg(1024, help="characters of one stop string", metavar="N")
+    max_logit_bias: int = arg(1024, help="logit_bias entries", metavar="N")
+    max_messages: int = arg(2048, help="chat messages in one request", metavar="N")
+    max_prompt_chars: int | None = arg(
+        None,
+        help="prompt characters, checked before tokenizing",
+        default_text="64 x max-model-len",
+        metavar="N",
+    )
+    max_grammar_chars: int = arg(
+        65536, help="characters of a JSON schema (compact JSON), regex, grammar or all choices", metavar="N"
+    )
+    max_grammar_depth: int = arg(
+        32, help="nesting of a JSON schema, or of groups in a regex or grammar", metavar="N"
+    )
+    grammar_compile_timeout: float = arg(
+        30.0,
+        help="seconds a structured-output grammar may take to compile (it fails and is abandoned then)",
+        metavar="S",
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "max_prompt_chars" and value is None:
                 continue
-            if f.name == "grammar_compile_timeout_s":
+            if f.name == "grammar_compile_timeout":
                 if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                    raise ValueError(f"grammar_compile_timeout_s must be a number > 0, got {value!r}")
+                    raise ValueError(f"grammar_compile_timeout must be a number > 0, got {value!r}")
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
@@ -174,13 +189,14 @@ def check_context(
     max_model_len: int,
     param: str = "max_tokens",
 ) -> None:
-    """The prompt plus max_tokens (and min_tokens) must fit the context; never truncated silently."""
+    """The prompt plus max_tokens (and min_tokens) must fit the context; never truncated silently.
+    One policy for the offline LLM and the server; max_tokens=None means up to the context."""
     for name, wanted in ((param, max_tokens), ("min_tokens", min_tokens)):
         if wanted and num_prompt_tokens + wanted > max_model_len:
             raise LimitError(
-                f"this model's maximum context length is {max_model_len} tokens, but {num_prompt_tokens + wanted} "
-                f"were requested ({num_prompt_tokens} in the prompt, {wanted} to generate); "
-                f"shorten the prompt or lower {name}",
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the prompt, {wanted} for the "
+                f"completion). Shorten the prompt or lower {name}.",
                 name,
             )
 

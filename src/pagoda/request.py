@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 import time
-
-import torch
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pagoda.sampling_params import SamplingParams
-from pagoda.structured.interface import GrammarMatcher
+
+if TYPE_CHECKING:  # annotations only: the scheduler and the KV cache load neither torch nor a grammar library
+    import torch
+
+    from pagoda.structured.interface import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -32,6 +36,7 @@ class Request:
         params: SamplingParams,
         *,
         max_tokens: int,
+        eos_token_ids: Iterable[int] = (),
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         fork_source: Request | None = None,
@@ -43,7 +48,9 @@ class Request:
         self.max_tokens = max_tokens
         self.cache_salt = cache_salt
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.stop_token_ids = params.all_stop_token_ids
+        # The model's end-of-sequence ids (engine state, not the user's), and every id that ends this sequence.
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_token_ids = params.stop_token_set(self.eos_token_ids)
         self.generator: torch.Generator | None = None  # set by the engine core for seeded requests
 
         self.status = RequestStatus.WAITING
@@ -102,7 +109,7 @@ class Request:
         last = self.token_ids[-1]
         if self.num_output_tokens >= self.params.min_tokens and last in self.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", last
-        elif self.grammar is not None and last in self.params._eos_token_ids:
+        elif self.grammar is not None and last in self.eos_token_ids:
             # The grammar ended (it only ends on EOS), even under ignore_eos.
             self.finish_reason, self.stop_reason = "stop", last
         elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:

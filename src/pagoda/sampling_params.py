@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 _GREEDY_EPS = 1e-5
@@ -88,8 +89,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputs | None = None
-    # Internal: tokens that end generation in addition to stop_token_ids (the model's EOS ids).
-    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -170,9 +169,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    @property
-    def all_stop_token_ids(self) -> frozenset[int]:
+    def stop_token_set(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
+        """The ids that end a sequence for a model whose end-of-sequence ids are `eos_token_ids`:
+        stop_token_ids, and the EOS ids unless ignore_eos."""
         ids = set(self.stop_token_ids or ())
         if not self.ignore_eos:
-            ids.update(self._eos_token_ids)
+            ids.update(eos_token_ids)
         return frozenset(ids)

@@ -185,7 +185,8 @@ def test_serve_chat_flags_reach_the_server_and_replicas(monkeypatch: pytest.Monk
         True,
     )
     assert args.default_chat_template_kwargs == kwargs
-    reparsed = build_parser().parse_args(["serve", model, *serve_cli._replica_flags(args)])
+    flags = serve_cli._replica_flags(serve_cli._engine_args(args, model), serve_cli._server_args(args))
+    reparsed = build_parser().parse_args(["serve", model, *flags])
     assert reparsed.default_chat_template_kwargs == kwargs and reparsed.tool_call_parser == "hermes"
     assert reparsed.reasoning_parser == "deepseek_r1" and reparsed.enable_auto_tool_choice
     seen = {}

@@ -124,7 +124,7 @@ def test_sequences_messages_prompt_chars_and_context() -> None:
 
 
 def test_limits_config_is_validated() -> None:
-    for bad in ({"max_n": 0}, {"max_stop": True}, {"max_logprobs": 21}, {"grammar_compile_timeout_s": 0}):
+    for bad in ({"max_n": 0}, {"max_stop": True}, {"max_logprobs": 21}, {"grammar_compile_timeout": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RequestLimits(**bad)
 
@@ -234,12 +234,13 @@ def test_tools_are_bounded_like_any_constraint(tmp_path) -> None:
 
     from pagoda.config import EngineArgs
     from pagoda.engine.llm_engine import LLMEngine
-    from pagoda.entrypoints.openai.app import ServerConfig, build_state, create_app
+    from pagoda.entrypoints.openai.app import build_state, create_app
+    from pagoda.entrypoints.server_args import ServerArgs
 
     model = build_family_model(tmp_path, "qwen25")
     limits = RequestLimits(max_grammar_chars=400)
     engine = LLMEngine(EngineArgs(model=model, dtype="float32", num_kv_blocks=512, limits=limits))
-    state = build_state(engine, ServerConfig())
+    state = build_state(engine, ServerArgs())
     ask = [{"role": "user", "content": "hi"}]
 
     def tool(parameters: dict) -> dict:

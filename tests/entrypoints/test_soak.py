@@ -26,10 +26,11 @@ def served(tiny_llama_dir: str):
 
     from pagoda.config import EngineArgs
     from pagoda.engine.llm_engine import LLMEngine
-    from pagoda.entrypoints.openai.app import ServerConfig, build_state, create_app
+    from pagoda.entrypoints.openai.app import build_state, create_app
+    from pagoda.entrypoints.server_args import ServerArgs
 
     engine = LLMEngine(EngineArgs(model=tiny_llama_dir, dtype="float32", num_kv_blocks=512))
-    state = build_state(engine, ServerConfig())
+    state = build_state(engine, ServerArgs())
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)

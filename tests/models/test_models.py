@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from conftest import TINY_DIMS, TINY_VARIANTS
 from pagoda.kernels import build
+from pagoda.kernels.precision import FP32_MIN_ROWS, upcast_to_fp32
 from pagoda.layers import Linear, PackedLinear
-from pagoda.layers.precision import FP32_MIN_ROWS, upcast_to_fp32
 from pagoda.layers.rotary import RopeConfig
 from pagoda.models import CausalLM, load_model, parse_hf_config, supported_architectures
 from pagoda.models.synthetic import build_random_model

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagoda import LLM, SamplingParams
-from pagoda.config import EngineArgs, resolve_dtype
+from pagoda.config import EngineArgs
+from pagoda.engine.resolve import resolve_dtype
 from pagoda.kernels import build
 from pagoda.models.gguf import llama_qk_rows, llama_qk_rows_inverse
 from pagoda.models.loader import load_model
@@ -58,7 +59,7 @@ def prompt_logits(path: str, paged_harness, prompt: list[int], **kwargs) -> torc
 def test_f32_gguf_greedy_decodes_like_transformers(arch, gguf_file, tiny_model_dirs):
     path = gguf_file(arch, "f32")
     llm = LLM(model=path, dtype="auto", num_kv_blocks=64, block_size=4)
-    assert llm.engine.core.dtype == torch.float32  # dtype auto: an all-F32 file runs in float32
+    assert llm.engine.config.model.dtype == torch.float32  # dtype auto: an all-F32 file runs in float32
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(tiny_model_dirs[arch], tuple(prompt))

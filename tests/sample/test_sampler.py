@@ -17,9 +17,9 @@ GREEDY = SamplingParams(temperature=0.0)
 NEG_INF = float("-inf")
 
 
-def row(params: SamplingParams, output=(), prompt=(0,), seed: int | None = None) -> SamplingRow:
+def row(params: SamplingParams, output=(), prompt=(0,), seed: int | None = None, eos=()) -> SamplingRow:
     generator = make_generator(seed, "cpu") if seed is not None else None
-    return SamplingRow(params, list(prompt), list(output), generator)
+    return SamplingRow(params, list(prompt), list(output), params.stop_token_set(eos), generator)
 
 
 def run(logits, rows, *, bitmask=None, sampler=None):
@@ -28,10 +28,10 @@ def run(logits, rows, *, bitmask=None, sampler=None):
     return (sampler or Sampler(generator=torch.Generator().manual_seed(0)))(logits, meta, bitmask)
 
 
-def processed(logits, params: SamplingParams, output=(), prompt=(0,)) -> torch.Tensor:
+def processed(logits, params: SamplingParams, output=(), prompt=(0,), eos=()) -> torch.Tensor:
     """The logits a greedy row would see after bias, penalties and bans (the greedy path is argmax)."""
     x = torch.tensor([logits], dtype=torch.float32)
-    meta = SamplingMetadata.build([row(params, output, prompt)], x.shape[1], "cpu")
+    meta = SamplingMetadata.build([row(params, output, prompt, eos=eos)], x.shape[1], "cpu")
     Sampler()(x, meta)
     return x[0]
 
@@ -187,20 +187,18 @@ def test_logit_bias_adds_to_listed_tokens():
 
 
 def test_min_tokens_bans_stop_ids_until_reached():
-    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3], _eos_token_ids=(1,))
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3])
     logits = [0.0, 9.0, 1.0, 8.0]
-    banned = processed(logits, params, output=[2])
+    banned = processed(logits, params, output=[2], eos=(1,))
     assert banned[1] == NEG_INF and banned[3] == NEG_INF
     torch.testing.assert_close(banned[[0, 2]], torch.tensor([0.0, 1.0]))
-    assert run([logits], [row(params, output=[2])]).sampled_token_ids.item() == 2
-    assert run([logits], [row(params, output=[2, 2])]).sampled_token_ids.item() == 1
+    assert run([logits], [row(params, output=[2], eos=(1,))]).sampled_token_ids.item() == 2
+    assert run([logits], [row(params, output=[2, 2], eos=(1,))]).sampled_token_ids.item() == 1
 
 
 def test_min_tokens_ignore_eos_bans_only_stop_token_ids():
-    params = SamplingParams(
-        temperature=0.0, min_tokens=1, stop_token_ids=[3], ignore_eos=True, _eos_token_ids=(1,)
-    )
-    got = processed([0.0, 9.0, 1.0, 8.0], params)
+    params = SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[3], ignore_eos=True)
+    got = processed([0.0, 9.0, 1.0, 8.0], params, eos=(1,))
     assert got[1] == 9.0 and got[3] == NEG_INF
 
 

@@ -8,7 +8,8 @@ from pagoda.cache.kv_manager import KVCacheManager
 from pagoda.config import SchedulerConfig
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler.scheduler import SampledTokens, Scheduler
+from pagoda.scheduler.scheduler import Scheduler
+from pagoda.step import SampledTokens
 
 
 def fake_token(tokens: list[int]) -> int:

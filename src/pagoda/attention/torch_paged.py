@@ -7,7 +7,7 @@ Decodes run as one batched call: their blocks are gathered through the block tab
 `[B, max_len, num_kv_heads, head_dim]` and masked per sequence length. Prefills (and prompt chunks)
 run one sequence at a time; a prompt with no cached context attends to its own fresh K/V with
 `is_causal`, otherwise its context is gathered from the cache and masked bottom-right causally.
-Long bfloat16 prefills on CPUs without AMX run in float32 (see `pagoda.layers.precision`); bf16
+Long bfloat16 prefills on CPUs without AMX run in float32 (see `pagoda.kernels.precision`); bf16
 decodes on x86-64 CPUs (AVX2 and up) run in a native kernel that reads the blocks in place
 (`pagoda.kernels.cpu_ops`).
 """
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pagoda.attention.backend import AttentionBackend, register_attention_backend
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.kernels import cpu_ops
-from pagoda.layers.precision import upcast_to_fp32
+from pagoda.kernels.precision import upcast_to_fp32
 
 
 @register_attention_backend("torch")

@@ -6,8 +6,11 @@ import argparse
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pagoda.cli_args import add_arguments, arg
 
 # Kept equal to pagoda.bench.datasets.DATASET_NAMES (a test checks it) without importing that module here.
 _DATASET_CHOICES = ("random", "sharegpt", "shared-prefix", "multi-turn")
@@ -48,55 +51,121 @@ def _rate(text: str) -> float:
     return value
 
 
+@dataclass(frozen=True)
+class DatasetArgs:
+    """The dataset flags, shared by `bench serve`, `bench sweep` (mapped onto DatasetConfig). The
+    per-dataset defaults of the None fields are DatasetConfig's."""
+
+    dataset: str = arg("random", help="prompt source", choices=_DATASET_CHOICES)
+    dataset_path: str | None = arg(
+        None, help="ShareGPT-format JSON file (sharegpt; optional for multi-turn); never downloaded"
+    )
+    num_prompts: int = arg(
+        200, type=_positive_int, help="number of requests; for multi-turn, of conversations"
+    )
+    input_len: int | None = arg(
+        None,
+        type=_positive_int,
+        help="prompt tokens (random), question tokens after the shared prefix (shared-prefix) or tokens "
+        "per user turn (multi-turn); words without a tokenizer",
+        default_text="1024 for random, 128 for shared-prefix and multi-turn",
+    )
+    output_len: int | None = arg(
+        None,
+        type=_positive_int,
+        help="max_tokens of each request",
+        default_text="128; sharegpt: the reference answer's length",
+    )
+    random_range_ratio: float | None = arg(
+        None,
+        help="random: draw lengths uniformly within ±ratio of --input-len / --output-len",
+        default_text="0",
+    )
+    prefix_len: int | None = arg(
+        None, type=_positive_int, help="shared-prefix: tokens of each shared system prompt"
+    )
+    num_groups: int | None = arg(
+        None, type=_positive_int, help="shared-prefix: number of shared prompts", default_text="4"
+    )
+    num_turns: int | None = arg(
+        None, type=_positive_int, help="multi-turn: user turns per conversation", default_text="3"
+    )
+    seed: int = arg(0, help="seed of the prompts and the arrival times")
+    tokenizer: str | None = arg(
+        None,
+        help="tokenizer directory; without any, prompts are random words and token counts come from the "
+        "server's usage",
+        default_text="--model, if available locally",
+    )
+
+
+@dataclass(frozen=True)
+class ClientArgs:
+    """How `bench serve` and `bench sweep` drive an endpoint (mapped onto ServeConfig)."""
+
+    model: str | None = arg(None, help="model name to request", default_text="the first one /v1/models lists")
+    endpoint: str = arg(
+        "completions", help="/v1/completions or /v1/chat/completions", choices=("completions", "chat")
+    )
+    api_key: str | None = arg(None, help="bearer token", default_text="$OPENAI_API_KEY, if set")
+    request_rate: float | None = arg(
+        None,
+        type=_rate,
+        help="requests/s (multi-turn: conversations started/s), or inf to send all at once",
+        default_text="inf",
+    )
+    burstiness: float = arg(1.0, help="shape of the gamma-distributed gaps: 1 is Poisson, lower is burstier")
+    max_concurrency: int | None = arg(None, type=_positive_int, help="most requests in flight at once")
+    temperature: float = arg(0.0, help="sampling temperature")
+    ignore_eos: bool = arg(
+        False,
+        help="send ignore_eos so every request generates --output-len tokens (pagoda and vLLM accept it)",
+    )
+    goodput: list[str] = arg(
+        default_factory=list,
+        nargs="+",
+        metavar="METRIC:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 (metrics ttft, tpot, e2el; milliseconds)",
+    )
+    request_timeout: float = arg(
+        600.0, help="seconds to connect, or between two reads of a stream, before a request fails"
+    )
+    disable_tqdm: bool = arg(False, help="no progress bar")
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    base_url: str = arg(help="server address, e.g. http://127.0.0.1:8000")
+    result_file: str | None = arg(
+        None, help="write the configuration, summary and every request's figures here"
+    )
+
+
+@dataclass(frozen=True)
+class SweepArgs:
+    base_url: list[str] = arg(help="server address; repeat to compare endpoints")
+    label: list[str] = arg(
+        default_factory=list, help="name of each --base-url in the chart (repeatable)", default_text="the URL"
+    )
+    output_dir: str = arg("bench-sweep", help="where result JSONs go")
+    plot: str | None = arg(None, help="chart file", default_text="OUTPUT_DIR/sweep.png")
+
+
+@dataclass(frozen=True)
+class SweepValues:
+    """What `bench sweep` varies: exactly one of these."""
+
+    request_rates: list[float] | None = arg(
+        None, type=_rate, nargs="+", help="request rates to sweep, e.g. 1 2 4 inf"
+    )
+    concurrencies: list[int] | None = arg(
+        None, type=_positive_int, nargs="+", help="max concurrencies to sweep"
+    )
+
+
 def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
-    """The dataset options, shared by `bench serve`, `bench sweep` and `bench offline`."""
-    group = parser.add_argument_group("dataset")
-    group.add_argument(
-        "--dataset", choices=_DATASET_CHOICES, default="random", help="prompt source (default random)"
-    )
-    group.add_argument(
-        "--dataset-path",
-        help="ShareGPT-format JSON file (sharegpt; optional for multi-turn); never downloaded",
-    )
-    group.add_argument(
-        "--num-prompts",
-        type=_positive_int,
-        default=200,
-        help="number of requests; for multi-turn, of conversations (default 200)",
-    )
-    group.add_argument(
-        "--input-len",
-        type=_positive_int,
-        help="prompt tokens (random, default 1024), question tokens after the shared prefix (shared-prefix, "
-        "default 128) or tokens per user turn (multi-turn, default 128); words without a tokenizer",
-    )
-    group.add_argument(
-        "--output-len",
-        type=_positive_int,
-        help="max_tokens of each request (default 128; sharegpt: the reference answer's length)",
-    )
-    group.add_argument(
-        "--random-range-ratio",
-        type=float,
-        help="random: draw lengths uniformly within ±ratio of --input-len / --output-len (default 0)",
-    )
-    group.add_argument(
-        "--prefix-len", type=_positive_int, help="shared-prefix: tokens of each shared system prompt"
-    )
-    group.add_argument(
-        "--num-groups", type=_positive_int, help="shared-prefix: number of shared prompts (default 4)"
-    )
-    group.add_argument(
-        "--num-turns", type=_positive_int, help="multi-turn: user turns per conversation (default 3)"
-    )
-    group.add_argument(
-        "--seed", type=int, default=0, help="seed of the prompts and the arrival times (default 0)"
-    )
-    group.add_argument(
-        "--tokenizer",
-        help="tokenizer directory (default: --model, if available locally); without any, prompts are random "
-        "words and token counts come from the server's usage",
-    )
+    """The dataset options, shared by `bench serve` and `bench sweep`."""
+    add_arguments(parser.add_argument_group("dataset"), DatasetArgs)
 
 
 def dataset_config_from_args(args: argparse.Namespace) -> Any:
@@ -137,47 +206,7 @@ def load_tokenizer_from_args(args: argparse.Namespace, model: str | None) -> tup
 
 
 def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("client")
-    group.add_argument("--model", help="model name to request (default: the first one /v1/models lists)")
-    group.add_argument(
-        "--endpoint",
-        choices=("completions", "chat"),
-        default="completions",
-        help="/v1/completions or /v1/chat/completions",
-    )
-    group.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY, if set)")
-    group.add_argument(
-        "--request-rate",
-        type=_rate,
-        help="requests/s (multi-turn: conversations started/s), or inf to send all at once (default inf)",
-    )
-    group.add_argument(
-        "--burstiness",
-        type=float,
-        default=1.0,
-        help="shape of the gamma-distributed gaps: 1 is Poisson, lower is burstier (default 1)",
-    )
-    group.add_argument("--max-concurrency", type=_positive_int, help="most requests in flight at once")
-    group.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
-    group.add_argument(
-        "--ignore-eos",
-        action="store_true",
-        help="send ignore_eos so every request generates --output-len tokens (pagoda and vLLM accept it)",
-    )
-    group.add_argument(
-        "--goodput",
-        nargs="+",
-        metavar="METRIC:MS",
-        default=[],
-        help="SLOs for goodput, e.g. ttft:500 tpot:50 (metrics ttft, tpot, e2el; milliseconds)",
-    )
-    group.add_argument(
-        "--request-timeout",
-        type=float,
-        default=600.0,
-        help="seconds to connect, or between two reads of a stream, before a request fails (default 600)",
-    )
-    group.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    add_arguments(parser.add_argument_group("client"), ClientArgs)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -187,10 +216,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         description="Stream requests to an OpenAI-compatible endpoint on a Poisson (or gamma) schedule and "
         "report TTFT, TPOT, ITL, end-to-end latency, throughput and goodput.",
     )
-    parser.add_argument("--base-url", required=True, help="server address, e.g. http://127.0.0.1:8000")
-    parser.add_argument(
-        "--result-file", help="write the configuration, summary and every request's figures here"
-    )
+    add_arguments(parser, ServeArgs)
     _add_client_arguments(parser)
     add_dataset_arguments(parser)
     parser.set_defaults(func=run_serve_command)
@@ -204,21 +230,8 @@ def add_sweep_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         description="Run `bench serve` at each request rate or concurrency, for each --base-url, and draw "
         "TTFT p50/p99 and TPOT p50 against output throughput (one line per endpoint) as a PNG.",
     )
-    parser.add_argument(
-        "--base-url", action="append", required=True, help="server address; repeat to compare endpoints"
-    )
-    parser.add_argument(
-        "--label", action="append", help="name of each --base-url in the chart (default: the URL)"
-    )
-    values = parser.add_mutually_exclusive_group(required=True)
-    values.add_argument(
-        "--request-rates", nargs="+", type=_rate, help="request rates to sweep, e.g. 1 2 4 inf"
-    )
-    values.add_argument("--concurrencies", nargs="+", type=_positive_int, help="max concurrencies to sweep")
-    parser.add_argument(
-        "--output-dir", default="bench-sweep", help="where result JSONs go (default bench-sweep)"
-    )
-    parser.add_argument("--plot", help="chart file (default OUTPUT_DIR/sweep.png)")
+    add_arguments(parser, SweepArgs)
+    add_arguments(parser.add_mutually_exclusive_group(required=True), SweepValues)
     _add_client_arguments(parser)
     add_dataset_arguments(parser)
     parser.set_defaults(func=run_sweep_command)

@@ -24,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pagoda.cli_args import add_arguments, arg
+
 WORKLOADS = ("few-shot", "select", "tree-of-thought")
 WORDS = tuple(
     [
@@ -66,6 +68,36 @@ WORDS = tuple(
 CHOICES = [" yes", " no", " maybe", " unknown"]
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class LangBenchArgs:
+    """The flags of `pagoda bench lang`."""
+
+    base_url: str = arg(help="a pagoda server, e.g. http://127.0.0.1:8000")
+    api_key: str | None = arg(None, help="bearer token", default_text="$PAGODA_API_KEY, if set")
+    workload: str = arg("all", help="what to run", choices=(*WORKLOADS, "all"))
+    num_questions: int = arg(64, type=_positive, help="few-shot / select questions")
+    num_shots: int = arg(8, type=_positive, help="examples in the shared prompt")
+    prompt_tokens: int = arg(1500, type=_positive, help="tokens of the shared k-shot prompt")
+    question_tokens: int = arg(32, type=_positive, help="tokens of each question")
+    answer_tokens: int = arg(4, type=_positive, help="few-shot: tokens of each answer")
+    num_trees: int = arg(4, type=_positive, help="tree-of-thought problems")
+    width: int = arg(4, type=_positive, help="tree-of-thought: branches per fork")
+    depth: int = arg(2, type=_positive, help="tree-of-thought: levels of forks")
+    context_tokens: int = arg(1024, type=_positive, help="tree-of-thought: problem tokens")
+    thought_tokens: int = arg(8, type=_positive, help="tree-of-thought: tokens per thought")
+    repeats: int = arg(3, type=_positive, help="timed runs of each variant")
+    warmup: int = arg(1, help="untimed runs of each variant first")
+    seed: int = arg(0, help="seed of the prompts")
+    result_file: str | None = arg(None, help="write the figures as JSON here")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "lang",
@@ -73,31 +105,8 @@ def register(subparsers) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--base-url", required=True, help="a pagoda server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--api-key", help="bearer token (default: $PAGODA_API_KEY, if set)")
-    p.add_argument("--workload", choices=(*WORKLOADS, "all"), default="all")
-    p.add_argument("--num-questions", type=_positive, default=64, help="few-shot / select questions")
-    p.add_argument("--num-shots", type=_positive, default=8, help="examples in the shared prompt")
-    p.add_argument("--prompt-tokens", type=_positive, default=1500, help="tokens of the shared k-shot prompt")
-    p.add_argument("--question-tokens", type=_positive, default=32, help="tokens of each question")
-    p.add_argument("--answer-tokens", type=_positive, default=4, help="few-shot: tokens of each answer")
-    p.add_argument("--num-trees", type=_positive, default=4, help="tree-of-thought problems")
-    p.add_argument("--width", type=_positive, default=4, help="tree-of-thought: branches per fork")
-    p.add_argument("--depth", type=_positive, default=2, help="tree-of-thought: levels of forks")
-    p.add_argument("--context-tokens", type=_positive, default=1024, help="tree-of-thought: problem tokens")
-    p.add_argument("--thought-tokens", type=_positive, default=8, help="tree-of-thought: tokens per thought")
-    p.add_argument("--repeats", type=_positive, default=3, help="timed runs of each variant")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs of each variant first")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result-file", help="write the figures as JSON here")
+    add_arguments(p, LangBenchArgs)
     p.set_defaults(func=run)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 @dataclass

@@ -19,6 +19,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from pagoda.cli_args import add_arguments, arg, values_from
+
 WORKLOADS = ("batch", "single", "prefill", "shared-prefix", "multi-turn", "structured")
 # Qwen2.5-0.5B's shape: the default model when none is given (random weights).
 DEFAULT_SHAPE = dict(
@@ -62,48 +64,80 @@ BENCH_SCHEMA = {
 }
 
 
+@dataclass(frozen=True)
+class OfflineArgs:
+    """The flags of `bench offline` beyond the engine's (OFFLINE_ENGINE_FLAGS)."""
+
+    model: str | None = arg(
+        None, help="HF model folder or GGUF file", default_text="random weights with Qwen2.5-0.5B's shape"
+    )
+    workload: str = arg("batch", help="what to run", choices=WORKLOADS)
+    num_prompts: int | None = arg(
+        None, help="requests (conversations for multi-turn)", default_text="the workload's"
+    )
+    input_len: int | None = arg(
+        None, help="prompt tokens (the question, for shared-prefix)", default_text="the workload's"
+    )
+    output_len: int | None = arg(None, help="generated tokens per request", default_text="the workload's")
+    prefix_len: int = arg(1024, help="shared system prompt tokens (shared-prefix)")
+    num_turns: int = arg(4, help="turns per conversation (multi-turn)")
+    vocab_size: int = arg(151936, help="vocabulary of the default random model")
+    threads: int | None = arg(None, help="torch threads", default_text="torch's choice")
+    baseline: str = arg(
+        "transformers",
+        help="batch, single, prefill: what to compare with on the same prompts: transformers `generate`, "
+        "llama-cpp-python on the same GGUF file, or none",
+        choices=("transformers", "llama.cpp", "none"),
+    )
+    gguf: str | None = arg(
+        None,
+        help="run the model as a GGUF file of this type (q8_0, q4_0, q4_k_m, bf16, ...), written once "
+        "by pagoda quantize next to the model",
+        metavar="TYPE",
+    )
+    seed: int = arg(0, help="seed of the prompts and of the engine")
+    result_file: str | None = arg(None, help="write the figures as JSON here")
+
+
+# EngineArgs fields the benchmark passes on to the engine, with the benchmark's defaults. The
+# baseline runs transformers in the same dtype, so the dtype must name one.
+OFFLINE_ENGINE_FLAGS = (
+    "dtype",
+    "quantization",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "kv_cache_memory_gb",
+    "jump_forward_max_running",
+)
+OFFLINE_ENGINE_DEFAULTS = {"dtype": "bfloat16", "kv_cache_memory_gb": 2.0}
+
+
 def register(subparsers) -> None:
+    from pagoda.config import EngineArgs
+
     p = subparsers.add_parser(
         "offline",
         help="in-process engine benchmark against a baseline in the same run",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="HF model folder (default: random weights with Qwen2.5-0.5B's shape)")
-    p.add_argument("--workload", choices=WORKLOADS, default="batch")
-    p.add_argument("--num-prompts", type=int, help="requests (conversations for multi-turn)")
-    p.add_argument("--input-len", type=int, help="prompt tokens (the question, for shared-prefix)")
-    p.add_argument("--output-len", type=int, help="generated tokens per request")
-    p.add_argument("--prefix-len", type=int, default=1024, help="shared system prompt tokens (shared-prefix)")
-    p.add_argument("--num-turns", type=int, default=4, help="turns per conversation (multi-turn)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
-    p.add_argument("--vocab-size", type=int, default=151936, help="vocabulary of the default random model")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    # `--no-baseline`: the older spelling of `--baseline none` (declared first: `--baseline` sets the default).
     p.add_argument(
-        "--jump-forward-max-running",
-        type=int,
-        help="structured: draft only while at most this many requests run (default: the engine's)",
+        "--no-baseline",
+        dest="baseline",
+        action="store_const",
+        const="none",
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
     )
-    p.add_argument("--quantization", choices=("q8_0", "q4_0", "q4_k"), help="quantize the weights at load")
-    p.add_argument(
-        "--gguf",
-        metavar="TYPE",
-        help="run the model as a GGUF file of this type (q8_0, q4_0, q4_k_m, bf16, ...), written once "
-        "by pagoda quantize next to the model",
+    add_arguments(p, OfflineArgs)
+    add_arguments(
+        p.add_argument_group("engine"),
+        EngineArgs,
+        include=OFFLINE_ENGINE_FLAGS,
+        defaults=OFFLINE_ENGINE_DEFAULTS,
+        choices={"dtype": ("bfloat16", "float32", "float16")},
     )
-    p.add_argument(
-        "--baseline",
-        choices=("transformers", "llama.cpp"),
-        default="transformers",
-        help="what to compare with: transformers generate, or llama-cpp-python on the same GGUF file "
-        "(batch, single and prefill workloads; default transformers)",
-    )
-    p.add_argument("--no-baseline", action="store_true", help="skip the baseline run")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result-file", help="write the figures as JSON here")
     p.set_defaults(func=run)
 
 
@@ -150,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         model = _gguf_model(model, args.gguf)
     if args.quantization and model.lower().endswith(".gguf"):
         raise SystemExit("pagoda bench offline: --quantization applies to safetensors models, not GGUF files")
-    if args.baseline == "llama.cpp" and not args.no_baseline:
+    if args.baseline == "llama.cpp":
         if not model.lower().endswith(".gguf"):
             raise SystemExit(
                 "pagoda bench offline: --baseline llama.cpp needs a GGUF model (--model FILE.gguf or --gguf TYPE)"
@@ -178,9 +212,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompts = _random_prompts(tokenizer, n, input_len, args.seed)
         results.append(_run_pagoda(args, model, prompts, output_len))
-        if not args.no_baseline and args.baseline == "llama.cpp":
+        if args.baseline == "llama.cpp":
             results.append(_run_llama_cpp(model, prompts, output_len, torch.get_num_threads()))
-        elif not args.no_baseline:
+        elif args.baseline == "transformers":
             results.append(_run_transformers(model, args.dtype, prompts, output_len))
     roofline = _roofline(model, args.dtype, results, args.quantization) if args.workload == "single" else None
     _report(args, results, {"kernel_variant": cpu_kernels.status().variant, "roofline": roofline})
@@ -287,20 +321,10 @@ def _engine(args, model: str, caching: bool = True, jump_forward: bool = True):
     from pagoda.config import EngineArgs
     from pagoda.engine.llm_engine import LLMEngine
 
-    return LLMEngine(
-        EngineArgs(
-            model=model,
-            dtype=args.dtype,
-            seed=args.seed,
-            enable_prefix_caching=caching,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            kv_cache_memory_gb=args.kv_cache_memory_gb,
-            enable_jump_forward=jump_forward,
-            jump_forward_max_running=args.jump_forward_max_running,
-            quantization=args.quantization,
-        )
+    values = values_from(
+        EngineArgs, args, model=model, enable_prefix_caching=caching, enable_jump_forward=jump_forward
     )
+    return LLMEngine(EngineArgs(**values))
 
 
 def _warmup(engine) -> None:

@@ -68,7 +68,7 @@ class _Scorer:
     def __init__(self, path: str, dtype, quantization: str | None, ctx_size: int) -> None:
         import torch
 
-        from pagoda.config import resolve_dtype
+        from pagoda.engine.resolve import resolve_dtype
         from pagoda.models.loader import load_model
 
         self.torch = torch

@@ -23,6 +23,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pagoda.cli_args import add_arguments, arg, values_from
+
 KINDS = {  # kind -> weight in the mix
     "abort_before_response": 2,
     "abort_in_prefill": 2,
@@ -67,16 +69,23 @@ _REFERENCE_PROMPT = "The soak reference prompt: count slowly from one to ten and
 
 @dataclass(frozen=True)
 class SoakConfig:
-    base_url: str
-    model: str | None = None  # default: the first model /v1/models lists
-    api_key: str | None = None
-    num_requests: int = 1000
-    rounds: int = 10
-    concurrency: int = 16
-    max_tokens: int = 24
-    prompt_words: int = 200  # at most: fewer if the server's context is shorter (see _fit)
-    seed: int = 0
-    max_memory_growth: float = 0.05
+    """What the soak does; the fields with help text are the flags of `pagoda bench soak`."""
+
+    base_url: str = arg(help="the server, e.g. http://127.0.0.1:8000")
+    model: str | None = arg(None, help="model name", default_text="the first one /v1/models lists")
+    api_key: str | None = arg(
+        None, help="sent as 'Authorization: Bearer KEY'", default_text="$PAGODA_API_KEY"
+    )
+    num_requests: int = arg(1000, help="requests in all")
+    rounds: int = arg(10, help="rounds they are split into")
+    concurrency: int = arg(16, help="requests in flight")
+    max_tokens: int = arg(24, help="max_tokens of each request")
+    # At most: fewer if the server's context is shorter (see _fit).
+    prompt_words: int = arg(200, help="words per prompt")
+    seed: int = arg(0, help="seed of the request mix (kinds, and where aborts fall)")
+    max_memory_growth: float = arg(
+        0.05, help="allowed growth of resident memory between the second round and the last"
+    )
     idle_timeout_s: float = 60.0
     request_timeout_s: float = 120.0
 
@@ -316,6 +325,11 @@ async def _wait_idle(client: Any, timeout_s: float) -> dict[str, float]:
 
 
 # ---- the command ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SoakOutput:
+    result_file: str | None = arg(None, help="write the rounds and checks as JSON here")
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "soak",
@@ -323,25 +337,8 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    defaults = SoakConfig(base_url="")
-    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", help="model name (default: the first one /v1/models lists)")
-    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: $PAGODA_API_KEY)")
-    p.add_argument("--num-requests", type=int, default=defaults.num_requests, help="requests in all (1000)")
-    p.add_argument("--rounds", type=int, default=defaults.rounds, help="rounds they are split into (10)")
-    p.add_argument("--concurrency", type=int, default=defaults.concurrency, help="requests in flight (16)")
-    p.add_argument(
-        "--max-tokens", type=int, default=defaults.max_tokens, help="max_tokens of each request (24)"
-    )
-    p.add_argument("--prompt-words", type=int, default=defaults.prompt_words, help="words per prompt (200)")
-    p.add_argument(
-        "--max-memory-growth",
-        type=float,
-        default=defaults.max_memory_growth,
-        help="allowed growth of resident memory between the second round and the last (0.05)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result-file", help="write the rounds and checks as JSON here")
+    add_arguments(p, SoakConfig)
+    add_arguments(p, SoakOutput)
     p.set_defaults(func=_run)
 
 
@@ -352,18 +349,8 @@ def _run(args: argparse.Namespace) -> int:
     import httpx
 
     try:
-        config = SoakConfig(
-            base_url=args.base_url,
-            model=args.model,
-            api_key=args.api_key or os.environ.get("PAGODA_API_KEY"),
-            num_requests=args.num_requests,
-            rounds=args.rounds,
-            concurrency=args.concurrency,
-            max_tokens=args.max_tokens,
-            prompt_words=args.prompt_words,
-            seed=args.seed,
-            max_memory_growth=args.max_memory_growth,
-        )
+        api_key = args.api_key or os.environ.get("PAGODA_API_KEY")
+        config = SoakConfig(**values_from(SoakConfig, args, api_key=api_key))
         result = asyncio.run(run_soak(config))
     except ValueError as exc:
         print(f"pagoda bench soak: error: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ from pagoda.config import EngineArgs
 from pagoda.engine.core import EngineCore
 from pagoda.engine.input_processor import Prompt, tokenize_prompt
 from pagoda.engine.output_processor import OutputProcessor, RequestGroup, _Completion
+from pagoda.engine.resolve import resolve_engine_config
 from pagoda.limits import check_context
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request
@@ -21,9 +22,10 @@ from pagoda.tokenizer import OutputTextState, apply_chat_template, eos_token_ids
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
-        self.args = args
-        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
-        self.core = EngineCore(args)
+        self.args = args  # as the user gave them
+        self.config = resolve_engine_config(args)  # what the engine runs with
+        self.tokenizer = load_tokenizer(self.config.tokenizer)
+        self.core = EngineCore(self.config)
         self.eos_token_ids = eos_token_ids(self.tokenizer, args.model)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -31,7 +33,7 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.core.max_model_len
+        return self.config.max_model_len
 
     @property
     def vocab_size(self) -> int:
@@ -66,14 +68,13 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.args.limits.check_request(prompt, params, self.max_model_len)
         text, prompt_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
+        # The same policy as the server's: over the context is an error, None means up to it.
         check_context(len(prompt_ids), params.max_tokens, params.min_tokens, self.max_model_len)
+        max_tokens = self.max_model_len - len(prompt_ids) if params.max_tokens is None else params.max_tokens
         if params.structured_outputs is not None:
             if params.min_tokens:
                 raise ValueError("min_tokens cannot be combined with structured_outputs")
             grammar = grammar or self.compile_grammar(params.structured_outputs).result()
-        params = dataclasses.replace(params, _eos_token_ids=self.eos_token_ids)
-        room = self.max_model_len - len(prompt_ids)
-        max_tokens = room if params.max_tokens is None else params.max_tokens
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         children: list[Request] = []
         for i, cid in enumerate(child_ids):
@@ -86,6 +87,7 @@ class LLMEngine:
                     prompt_ids,
                     child_params,
                     max_tokens=max_tokens,
+                    eos_token_ids=self.eos_token_ids,
                     cache_salt=cache_salt,
                     fork_source=children[0] if i > 0 else None,
                 )
@@ -113,7 +115,7 @@ class LLMEngine:
                     vocab_size=self.vocab_size,
                     eos_token_ids=self.eos_token_ids,
                     config=GrammarConfig(
-                        any_whitespace=False, compile_timeout_s=self.args.limits.grammar_compile_timeout_s
+                        any_whitespace=False, compile_timeout_s=self.args.limits.grammar_compile_timeout
                     ),
                 )
             return self.core.grammars

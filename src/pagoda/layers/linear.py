@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels import cpu_gemm
-from pagoda.layers.precision import upcast_to_fp32
+from pagoda.kernels.precision import upcast_to_fp32
 from pagoda.quant.linear import QuantLinear
 from pagoda.quant.methods import current_weight_format, is_placeholder, load_rows
 from pagoda.quant.tensor import GGMLTensor
@@ -44,7 +44,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear` on an unpacked weight, in float32 where that is faster for many bf16 rows
-    (see `pagoda.layers.precision`)."""
+    (see `pagoda.kernels.precision`)."""
     if upcast_to_fp32(x, x.shape[0]):
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)

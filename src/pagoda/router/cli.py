@@ -1,59 +1,128 @@
-"""`pagoda router` and `pagoda launch`. Only argparse is imported here; handlers import the rest."""
+"""`pagoda router` and `pagoda launch`. Only argparse and stdlib-only config modules are imported here; handlers import the rest."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
-from pagoda.router.policies import DEFAULT_POLICY, POLICIES  # stdlib-only imports: keeps `pagoda --help` fast
+from pagoda.cli_args import add_arguments, arg, field_default
+from pagoda.router.config import RouterConfig  # stdlib-only imports: keeps `pagoda --help` fast
+from pagoda.router.policies import POLICIES, CacheAwareConfig
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
+# RoutingArgs field -> the RouterConfig key it overrides ("cache_aware." keys: of that section).
+_CONFIG_KEYS = {
+    "host": "host",
+    "port": "port",
+    "policy": "policy",
+    "api_key": "api_key",
+    "cache_threshold": "cache_aware.cache_threshold",
+    "balance_abs_threshold": "cache_aware.balance_abs_threshold",
+    "balance_rel_threshold": "cache_aware.balance_rel_threshold",
+    "max_tree_chars": "cache_aware.max_tree_chars",
+    "health_interval": "health_interval_s",
+    "health_timeout": "health_timeout_s",
+    "connect_timeout": "connect_timeout_s",
+    "read_timeout": "read_timeout_s",
+    "seed": "seed",
+    "max_body_size": "max_body_size",
+}
+
+
+def _config_default(field_name: str) -> Any:
+    """The RouterConfig default of the key a flag overrides."""
+    section, _, key = _CONFIG_KEYS[field_name].rpartition(".")
+    cls = CacheAwareConfig if section else RouterConfig
+    return field_default(cls.__dataclass_fields__[key])
+
+
+def _help_default(field_name: str) -> str:
+    return str(_config_default(field_name))
+
+
+@dataclass(frozen=True)
+class RoutingArgs:
+    """Flags shared by `router` and `launch`. Defaults are None: a flag not given leaves the config
+    file's value, or RouterConfig's default (shown in the help)."""
+
+    host: str | None = arg(None, help="address to listen on", default_text=_help_default("host"))
+    port: int | None = arg(None, help="port to listen on", default_text=_help_default("port"))
+    policy: str | None = arg(
+        None,
+        help="routing policy within a model",
+        choices=sorted(POLICIES),
+        default_text=_help_default("policy"),
+    )
+    api_key: str | None = arg(None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    seed: int | None = arg(None, help="random seed of the power-of-two policy")
+    max_body_size: int | None = arg(
+        None,
+        help="largest request body in bytes; larger get a 413",
+        default_text=_help_default("max_body_size"),
+        metavar="BYTES",
+    )
+    log_level: str = arg("info", help="log level", choices=_LOG_LEVELS)
+
+
+@dataclass(frozen=True)
+class CacheAwareArgs:
+    cache_threshold: float | None = arg(
+        None, help="matched fraction of the prompt", default_text=_help_default("cache_threshold")
+    )
+    balance_abs_threshold: int | None = arg(
+        None, help="in-flight gap max-min", default_text=_help_default("balance_abs_threshold")
+    )
+    balance_rel_threshold: float | None = arg(
+        None, help="in-flight ratio max/min", default_text=_help_default("balance_rel_threshold")
+    )
+    max_tree_chars: int | None = arg(
+        None, help="prefix tree bound per model", default_text=_help_default("max_tree_chars")
+    )
+
+
+@dataclass(frozen=True)
+class HealthArgs:
+    health_interval: float | None = arg(
+        None, help="seconds between health checks", default_text=_help_default("health_interval")
+    )
+    health_timeout: float | None = arg(
+        None, help="health check timeout, seconds", default_text=_help_default("health_timeout")
+    )
+    connect_timeout: float | None = arg(
+        None, help="backend connect timeout, seconds", default_text=_help_default("connect_timeout")
+    )
+    read_timeout: float | None = arg(
+        None,
+        help="longest silence from a backend mid-response, seconds",
+        default_text=_help_default("read_timeout"),
+    )
+
+
+@dataclass(frozen=True)
+class RouterArgs:
+    config: str | None = arg(None, help="router.yaml (see docs/router.md)")
+    backend: list[str] = arg(
+        default_factory=list,
+        metavar="URL[,model=NAME]",
+        help="a backend server (repeatable; added to the config file's backends); "
+        "without model=, its models are read from URL/v1/models",
+    )
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    replicas: int = arg(help="number of engine processes")
+    base_port: int = arg(8100, help="port of the first replica")
+    serve_args: str = arg("", help="extra arguments for every `pagoda serve`, as one quoted string")
+    startup_timeout: float = arg(600.0, help="seconds to wait for the replicas' /health")
+
 
 def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by `router` and `launch`. Defaults are None: unset flags leave the config file's value."""
-    parser.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port to listen on (default 8080)")
-    parser.add_argument(
-        "--policy",
-        choices=sorted(POLICIES),
-        default=None,
-        help="routing policy within a model (default cache-aware)",
-    )
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    group = parser.add_argument_group("cache-aware policy (see docs/router.md)")
-    group.add_argument(
-        "--cache-threshold", type=float, default=None, help="matched fraction of the prompt (0.5)"
-    )
-    group.add_argument("--balance-abs-threshold", type=int, default=None, help="in-flight gap max-min (16)")
-    group.add_argument(
-        "--balance-rel-threshold", type=float, default=None, help="in-flight ratio max/min (1.5)"
-    )
-    group.add_argument(
-        "--max-tree-chars", type=int, default=None, help="prefix tree bound per model (8388608)"
-    )
-    group = parser.add_argument_group("health and timeouts")
-    group.add_argument(
-        "--health-interval", type=float, default=None, help="seconds between health checks (5)"
-    )
-    group.add_argument("--health-timeout", type=float, default=None, help="health check timeout, seconds (2)")
-    group.add_argument(
-        "--connect-timeout", type=float, default=None, help="backend connect timeout, seconds (5)"
-    )
-    group.add_argument(
-        "--read-timeout",
-        type=float,
-        default=None,
-        help="longest silence from a backend mid-response, seconds (600)",
-    )
-    parser.add_argument("--seed", type=int, default=None, help="random seed of the power-of-two policy")
-    parser.add_argument(
-        "--max-body-size",
-        type=int,
-        default=None,
-        help="largest request body in bytes; larger get a 413 (16777216)",
-    )
-    parser.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
+    add_arguments(parser, RoutingArgs)
+    add_arguments(parser.add_argument_group("cache-aware policy (see docs/router.md)"), CacheAwareArgs)
+    add_arguments(parser.add_argument_group("health and timeouts"), HealthArgs)
 
 
 def register(subparsers: Any) -> None:
@@ -62,15 +131,7 @@ def register(subparsers: Any) -> None:
         help="OpenAI-compatible router in front of several engine servers",
         description="One OpenAI endpoint in front of many pagoda servers: routing by model, then by policy.",
     )
-    router.add_argument("--config", default=None, help="router.yaml (see docs/router.md)")
-    router.add_argument(
-        "--backend",
-        action="append",
-        default=[],
-        metavar="URL[,model=NAME]",
-        help="a backend server (repeatable; added to the config file's backends); "
-        "without model=, its models are read from URL/v1/models",
-    )
+    add_arguments(router, RouterArgs)
     _add_routing_flags(router)
     router.set_defaults(func=_run_router)
 
@@ -81,44 +142,20 @@ def register(subparsers: Any) -> None:
         "Ctrl-C (or the death of any replica) stops them all.",
     )
     launch.add_argument("model", help="model passed to `pagoda serve`")
-    launch.add_argument("--replicas", type=int, required=True, help="number of engine processes")
-    launch.add_argument(
-        "--base-port", type=int, default=8100, help="port of the first replica (default 8100)"
-    )
-    launch.add_argument(
-        "--serve-args", default="", help="extra arguments for every `pagoda serve`, as one quoted string"
-    )
-    launch.add_argument(
-        "--startup-timeout", type=float, default=600.0, help="seconds to wait for the replicas' /health (600)"
-    )
+    add_arguments(launch, LaunchArgs)
     _add_routing_flags(launch)
     launch.set_defaults(func=_run_launch)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The config keys set by explicitly given flags."""
-    mapping = {
-        "host": "host",
-        "port": "port",
-        "policy": "policy",
-        "api_key": "api_key",
-        "health_interval": "health_interval_s",
-        "health_timeout": "health_timeout_s",
-        "connect_timeout": "connect_timeout_s",
-        "read_timeout": "read_timeout_s",
-        "seed": "seed",
-        "max_body_size": "max_body_size",
-    }
-    overrides: dict[str, Any] = {
-        key: getattr(args, flag) for flag, key in mapping.items() if getattr(args, flag) is not None
-    }
-    cache_aware = {
-        key: getattr(args, key)
-        for key in ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "max_tree_chars")
-        if getattr(args, key) is not None
-    }
-    if cache_aware:
-        overrides["cache_aware"] = cache_aware
+    """The config keys set by explicitly given flags (nested sections as dicts)."""
+    overrides: dict[str, Any] = {}
+    for flag, key in _CONFIG_KEYS.items():
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        section, _, name = key.rpartition(".")
+        (overrides.setdefault(section, {}) if section else overrides)[name] = value
     return overrides
 
 
@@ -178,9 +215,9 @@ def _run_launch(args: argparse.Namespace) -> int:
             [args.model, *shlex.split(args.serve_args)],
             replicas=args.replicas,
             base_port=args.base_port,
-            router_host=args.host or "127.0.0.1",
-            router_port=args.port if args.port is not None else 8080,
-            policy=args.policy or DEFAULT_POLICY,
+            router_host=args.host or _config_default("host"),
+            router_port=args.port if args.port is not None else _config_default("port"),
+            policy=args.policy or _config_default("policy"),
             router_overrides={
                 k: v for k, v in overrides_from_args(args).items() if k not in ("host", "port", "policy")
             },

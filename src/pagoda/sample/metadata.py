@@ -29,6 +29,9 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far
+    # The ids that end the sequence (the request's: stop_token_ids and the model's EOS ids unless
+    # ignore_eos), banned until min_tokens are generated.
+    stop_token_ids: frozenset[int]
     generator: torch.Generator | None = None  # the request's own (seeded); None: the batch's shared one
 
 
@@ -176,7 +179,7 @@ def _min_tokens_bans(
     for i, row in enumerate(rows):
         if len(row.output_token_ids) >= row.params.min_tokens:
             continue
-        for token_id in sorted(row.params.all_stop_token_ids):
+        for token_id in sorted(row.stop_token_ids):
             _check_token(i, "stop", token_id, vocab_size)
             row_ids.append(i)
             token_ids.append(token_id)

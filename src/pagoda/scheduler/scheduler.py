@@ -5,51 +5,15 @@ far as the token budget, max_num_seqs and the KV pool allow."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagoda.cache.kv_manager import KVCacheManager
 from pagoda.config import SchedulerConfig
 from pagoda.request import Request, RequestStatus
+from pagoda.step import SampledTokens, ScheduledRequest, SchedulerOutput
 
 # Above this many waiting requests, longest-prefix-match ordering costs more than it saves.
 _LPM_MAX_QUEUE = 128
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True if this step computes the request's last known token, so a new one is sampled."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
-
-
-@dataclass
-class SampledTokens:
-    """What one step produced for a request: verified tokens (the first `num_accepted_drafts` of
-    them are jump-forward drafts that sampling confirmed), then new unverified drafts."""
-
-    tokens: list[int]
-    num_accepted_drafts: int = 0
-    drafts: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.config import CacheConfig, ModelConfig
 from pagoda.models.loader import load_model
 from pagoda.outputs import Logprob
 from pagoda.request import Request
 from pagoda.sample import Sampler, SamplingMetadata, SamplingRow
-from pagoda.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from pagoda.step import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -30,36 +31,27 @@ class ModelOutput:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model_dir: str,
-        dtype: torch.dtype,
-        device: torch.device,
-        block_size: int,
-        seed: int,
-        quantization: str | None = None,
-    ) -> None:
-        self.device = device
-        self.dtype = dtype
-        self.block_size = block_size
-        self.model = load_model(model_dir, dtype, device, quantization=quantization)
+    """Loads the model and allocates its KV cache (`cache.num_blocks` blocks) on construction."""
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig) -> None:
+        self.device = model.device
+        self.dtype = model.dtype
+        self.block_size = cache.block_size
+        self.model = load_model(model.path, model.dtype, model.device, quantization=model.quantization)
         self.weight_format: str = self.model.weight_format
         logger.info(
-            "loaded %s (%s activations): %s", model_dir, str(dtype).removeprefix("torch."), self.weight_format
+            "loaded %s (%s activations): %s",
+            model.path,
+            str(model.dtype).removeprefix("torch."),
+            self.weight_format,
         )
         self.arch = self.model.config
         self.vocab_size = self.arch.vocab_size
-        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
-        self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler(torch.Generator(device=model.device).manual_seed(model.seed))
+        self.kv_caches = self.model.allocate_kv_caches(cache.num_blocks, cache.block_size)
+        self.model.bind_kv_cache(self.kv_caches)
 
     # ---- KV cache --------------------------------------------------------------------------------
-    def kv_bytes_per_block(self) -> int:
-        a = self.arch
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = self.model.allocate_kv_caches(num_blocks, self.block_size)
-        self.model.bind_kv_cache(self.kv_caches)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         backend = self.model.attn_backend
@@ -117,7 +109,7 @@ class ModelRunner:
         if output_token_ids is None:
             output_token_ids = [r.output_token_ids for r in requests]
         rows = [
-            SamplingRow(r.params, r.prompt_token_ids, out, r.generator)
+            SamplingRow(r.params, r.prompt_token_ids, out, r.stop_token_ids, r.generator)
             for r, out in zip(requests, output_token_ids, strict=True)
         ]
         meta = SamplingMetadata.build(rows, self.vocab_size, self.device)

@@ -8,8 +8,6 @@ import os
 import secrets
 import signal
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
@@ -36,59 +34,15 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion
 from pagoda.entrypoints.openai.serving_common import ServerState
 from pagoda.entrypoints.openai.serving_completions import create_completion
+from pagoda.entrypoints.server_args import ServerArgs
 from pagoda.http_body import BodySizeLimit
-from pagoda.limits import DEFAULT_MAX_BODY_SIZE, LimitError
+from pagoda.limits import LimitError
 from pagoda.tokenizer.chat import chat_roles
 
 logger = logging.getLogger("pagoda.server")
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # None: PAGODA_API_KEY if set, else no auth
-    served_model_name: str | None = None  # defaults to the model folder as given
-    max_waiting_requests: int | None = None
-    shutdown_timeout_s: float = 30.0  # how long in-flight requests may run on after SIGINT/SIGTERM
-    log_level: str = "info"
-    max_body_size: int = DEFAULT_MAX_BODY_SIZE  # bytes; a larger request body gets a 413
-    # Chat replies: parsers by vLLM's names (None: chosen from the chat template; "none": off).
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be an integer in [0, 65535], got {self.port!r}")
-        if self.max_waiting_requests is not None and (
-            not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < 1
-        ):
-            raise ValueError(
-                f"max_waiting_requests must be an integer >= 1, got {self.max_waiting_requests!r}"
-            )
-        if not self.shutdown_timeout_s >= 0:
-            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ValueError("served_model_name must not be empty")
-        if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
-            raise ValueError(f"unknown log level {self.log_level!r}")
-        if (
-            isinstance(self.max_body_size, bool)
-            or not isinstance(self.max_body_size, int)
-            or self.max_body_size < 1
-        ):
-            raise ValueError(f"max_body_size must be an integer >= 1 (bytes), got {self.max_body_size!r}")
-        if not isinstance(self.default_chat_template_kwargs, dict):
-            raise ValueError("default_chat_template_kwargs must be a JSON object")
-
-    def resolved_api_key(self) -> str | None:
-        return self.api_key or os.environ.get("PAGODA_API_KEY") or None
-
-
-def build_state(engine: LLMEngine, config: ServerConfig) -> ServerState:
+def build_state(engine: LLMEngine, config: ServerArgs) -> ServerState:
     """Start the engine thread with Prometheus metrics attached."""
     name = config.served_model_name or engine.args.model
     chat = ChatSettings.create(
@@ -235,7 +189,7 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
+def run_server(engine_args: EngineArgs, config: ServerArgs) -> int:
     """Load the model, serve until SIGINT/SIGTERM, then finish or abort in-flight requests. Returns 0."""
     import uvicorn
 
@@ -249,7 +203,7 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
             host=config.host,
             port=config.port,
             log_level=config.log_level,
-            timeout_graceful_shutdown=config.shutdown_timeout_s,
+            timeout_graceful_shutdown=config.shutdown_timeout,
             access_log=False,
         )
     )
@@ -265,7 +219,7 @@ def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
             signal.signal(sig, handler)
     code = 0 if state.engine.error is None else 1
     grammars = engine.core.grammars
-    if grammars is not None and not grammars.wait_for_compiles(config.shutdown_timeout_s):
+    if grammars is not None and not grammars.wait_for_compiles(config.shutdown_timeout):
         # A grammar compile past its deadline still runs and cannot be interrupted; exiting the
         # interpreter under it would abort the process, so leave without finalizing.
         logger.warning("exiting with a grammar compile still running")
