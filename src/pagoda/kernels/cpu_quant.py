@@ -99,6 +99,17 @@ def raw_rows(packed: PackedQuant, index: torch.Tensor) -> torch.Tensor:
     )
 
 
+def quantizes(qtype: int) -> bool:
+    """Whether `quantize_k` quantizes `qtype` here (Q4_K, Q5_K, Q6_K where the kernels run)."""
+    return int(qtype) in (Q4_K, Q5_K, Q6_K) and available()
+
+
+def quantize_k(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """float32 super-blocks `[n, 256]` → Q4_K / Q5_K / Q6_K blocks `[n, block_bytes]` (uint8), the
+    bytes of `pagoda.quant.quantize`'s PyTorch quantizer (`csrc/quant_kquant.cpp`)."""
+    return ops().quant_quantize_k(blocks, int(qtype))
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`x: [M, K]` (float32 or bfloat16) → (int8 values, float32 block scales, int32 block sums):
     the 8-bit activations `linear` multiplies (tests compare against them)."""
