@@ -11,7 +11,7 @@ blocks are valid and decode to the same error budget.
 
 Where pagoda's CPU kernels run, Q4_K, Q5_K and Q6_K take their C++ port
 (`kernels/csrc/quant_kquant.cpp`: the same float32 operations in the same order, so the same bytes,
-tests compare), ~50x faster; `quantize(..., kernels=False)` keeps this module's PyTorch code.
+tests compare), 20-60x faster; `quantize(..., kernels=False)` keeps this module's PyTorch code.
 """
 
 from __future__ import annotations
