@@ -104,6 +104,27 @@ def test_paged_decode_attention_matches_dense(variant, heads, kv_heads, head_dim
     )
 
 
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_paged_decode_attention_writes_the_new_keys_and_values(variant: str, block_size: int) -> None:
+    q, cache, tables, seq_lens, keys, values = _paged_case(14, 2, 64, block_size)
+    last = seq_lens.long() - 1
+    slots = tables[torch.arange(len(keys)), last // block_size].long() * block_size + last % block_size
+    new_k = torch.stack([k[-1] for k in keys])  # already in `cache`: compare against a garbage-filled copy
+    new_v = torch.stack([v[-1] for v in values])
+    expected = cpu_ops.paged_decode_attention(q, cache, tables, seq_lens, 0.125, None)
+    stale = cache.clone()
+    flat = stale.view(2, -1, 2, 64)
+    flat[:, slots] = 7.0
+    wide = torch.zeros(len(keys), 2 * 2 + 14, 64, dtype=torch.bfloat16)  # k and v as views into one row
+    wide[:, 14:16], wide[:, 16:] = new_k, new_v
+    out = cpu_ops.paged_decode_attention(
+        q, stale, tables, seq_lens, 0.125, None, (wide[:, 14:16], wide[:, 16:], slots)
+    )
+    assert torch.equal(out, expected) and torch.equal(stale, cache)
+    with pytest.raises(RuntimeError, match="is not the block table's slot"):
+        cpu_ops.paged_decode_attention(q, stale, tables, seq_lens, 0.125, None, (new_k, new_v, slots + 1))
+
+
 def test_paged_decode_attention_rejects_bad_tables(variant: str) -> None:
     cache = torch.zeros(2, 4, 2, 1, 16, dtype=torch.bfloat16)
     q = torch.zeros(1, 2, 16, dtype=torch.bfloat16)

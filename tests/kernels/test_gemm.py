@@ -1,5 +1,6 @@
 """The packed bf16 GEMM on every kernel variant against fp64 references, bit-equality across
-variants, the bf16 rounding store against torch's conversion, and the layers that use it."""
+variants where they do the same arithmetic (fp32 multiply-adds; avx512_bf16 multiplies bf16
+inputs with vdpbf16ps), the bf16 rounding store against torch's conversion, and the layers."""
 
 from __future__ import annotations
 
@@ -50,13 +51,14 @@ def test_plain_matches_reference(variant: str, m: int, n: int, k: int) -> None:
     assert y16.dtype == torch.bfloat16
     # The bf16 output is the fp32 one rounded once, exactly as torch rounds.
     assert torch.equal(y16, y32.bfloat16())
+    _assert_close(cpu_gemm.linear(x.float(), packed, out_dtype=torch.float32), ref, abs_sum)
 
 
 @pytest.mark.parametrize("m", [1, 3, 7, 14, 33, 300])
 @pytest.mark.parametrize("intermediate", [1, 16, 37, 96])
 @pytest.mark.parametrize("bias", [False, True])
 def test_swiglu_matches_reference(variant: str, m: int, intermediate: int, bias: bool) -> None:
-    x, w, b = _make(m, 2 * intermediate, 48, bias=bias, seed=intermediate)
+    x, w, b = _make(m, 2 * intermediate, 48 - m % 2, bias=bias, seed=intermediate)
     packed = cpu_gemm.pack(w, b, swiglu=True)
     assert packed.out_features == intermediate
     h, abs_sum = _reference(x, w, b)
@@ -75,21 +77,27 @@ def test_swiglu_matches_reference(variant: str, m: int, intermediate: int, bias:
 
 @requires_variants
 @pytest.mark.parametrize(
-    ("m", "n", "k", "swiglu"), [(1, 4099, 300, False), (13, 200, 64, True), (600, 97, 130, False)]
+    ("m", "n", "k", "swiglu"), [(1, 4099, 300, False), (13, 200, 65, True), (600, 97, 130, False)]
 )
 def test_variants_agree_bit_for_bit(m: int, n: int, k: int, swiglu: bool) -> None:
-    # Every variant sums each output over k in the same order with the same fp32 operations.
+    # The fp32 multiply-add path sums each output over k in the same order on every variant;
+    # avx512_bf16 takes it for fp32 inputs, and vdpbf16ps (its own order) for bf16 ones.
     x, w, b = _make(m, 2 * n if swiglu else n, k, bias=True, seed=k)
 
     def run():
         packed = cpu_gemm.pack(w, b, swiglu=swiglu)
-        return packed.data, cpu_gemm.linear(x, packed), cpu_gemm.linear(x.float(), packed, torch.float32)
+        return packed.data, cpu_gemm.linear(x.float(), packed, torch.float32), cpu_gemm.linear(x, packed)
 
     results = on_every_variant(run)
-    first = results[RUNNABLE[0]]
-    for name, got in results.items():
-        for a, e in zip(got, first, strict=True):
-            assert torch.equal(a, e), f"{name} differs from {RUNNABLE[0]}"
+    fma = [name for name in RUNNABLE if name != "avx512_bf16"]
+    first = results[fma[0]]
+    for name, (data, y_fp32_in, y_bf16_in) in results.items():
+        assert torch.equal(data, first[0]), f"{name} packs differently"
+        assert torch.equal(y_fp32_in, first[1]), f"{name} differs from {fma[0]}"
+        if name in fma:
+            assert torch.equal(y_bf16_in, first[2]), f"{name} differs from {fma[0]}"
+        else:  # different summation order: within a bf16 rounding of the fp32 path's result
+            torch.testing.assert_close(y_bf16_in, first[2], rtol=2**-7, atol=1e-2)
 
 
 # fp32 bit patterns at the edges of the bf16 rounding: ties to even, carries into the exponent,
@@ -154,15 +162,23 @@ def test_thread_count_does_not_change_results(variant: str, m: int) -> None:
     assert torch.equal(single, multi)
 
 
-def test_inputs_of_any_layout_and_fp32(variant: str) -> None:
-    x, w, b = _make(6, 67, 130, bias=True)
+@pytest.mark.parametrize("k", [130, 131])
+def test_inputs_of_any_layout_and_fp32(variant: str, k: int) -> None:
+    x, w, b = _make(6, 67, k, bias=True)
     packed = cpu_gemm.pack(w, b)
     expected = cpu_gemm.linear(x, packed)
-    x_cols = torch.zeros(6, 260, dtype=torch.bfloat16)
+    x_cols = torch.zeros(6, 2 * k, dtype=torch.bfloat16)
     x_cols[:, ::2] = x
-    for xi in (x_cols[:, ::2], x.T.contiguous().T, x.float()):
+    wide = torch.zeros(6, k + 5, dtype=torch.bfloat16)  # rows with a stride beyond K
+    wide[:, :k] = x
+    for xi in (x_cols[:, ::2], x.T.contiguous().T, wide[:, :k]):
         assert torch.equal(cpu_gemm.linear(xi, packed), expected)
-    assert torch.equal(cpu_gemm.linear(x.reshape(2, 3, 130), packed), expected.reshape(2, 3, 67))
+    from_fp32 = cpu_gemm.linear(x.float(), packed)
+    if variant == "avx512_bf16":  # fp32 inputs take the multiply-add path, bf16 ones vdpbf16ps
+        torch.testing.assert_close(from_fp32, expected, rtol=2**-7, atol=1e-2)
+    else:
+        assert torch.equal(from_fp32, expected)
+    assert torch.equal(cpu_gemm.linear(x.reshape(2, 3, k), packed), expected.reshape(2, 3, 67))
     assert torch.equal(cpu_gemm.linear(x[0], packed), expected[0])
     assert cpu_gemm.linear(x[:0], packed).shape == (0, 67)
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from conftest import TINY_DIMS, TINY_VARIANTS
 from pagoda.kernels import build
-from pagoda.kernels.precision import FP32_MIN_ROWS, upcast_to_fp32
+from pagoda.kernels.precision import FP32_MIN_ROWS, cpu_lacks_full_rate_bf16, upcast_to_fp32
 from pagoda.layers import Linear, PackedLinear
 from pagoda.layers.rotary import RopeConfig
 from pagoda.models import CausalLM, load_model, parse_hf_config, supported_architectures
@@ -477,5 +477,4 @@ def test_bfloat16_linear_policy_keeps_dtype_and_values():
         torch.testing.assert_close(out.double(), exact, atol=0.1, rtol=1e-2)
     assert not upcast_to_fp32(torch.zeros(1, dtype=torch.float32), 10_000)
     assert not upcast_to_fp32(torch.zeros(1, dtype=torch.bfloat16), FP32_MIN_ROWS - 1)
-    amx = torch.cpu.get_capabilities().get("amx_bf16", False)
-    assert upcast_to_fp32(torch.zeros(1, dtype=torch.bfloat16), FP32_MIN_ROWS) == (not amx)
+    assert upcast_to_fp32(torch.zeros(1, dtype=torch.bfloat16), FP32_MIN_ROWS) == cpu_lacks_full_rate_bf16()

@@ -50,8 +50,19 @@ class TorchPagedAttention(AttentionBackend):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         md = attn_metadata
-        self.write_kv(k, v, kv_cache, md.slot_mapping)
         num_decodes = md.num_decodes
+        if num_decodes and num_decodes == md.num_seqs and cpu_ops.applies(q, k, v, kv_cache):
+            # One native call writes the new K/V rows and attends (a decode-only batch).
+            return cpu_ops.paged_decode_attention(
+                q,
+                kv_cache,
+                md.block_tables,
+                md.seq_lens,
+                self.scale,
+                self.sliding_window,
+                (k, v, md.slot_mapping),
+            )
+        self.write_kv(k, v, kv_cache, md.slot_mapping)
         if num_decodes and num_decodes == md.num_seqs:
             return self._decode(q, kv_cache, md)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)

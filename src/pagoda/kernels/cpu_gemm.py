@@ -1,12 +1,14 @@
 """bf16-weight linear layers for x86-64 CPUs (AVX2 and up): a kernel compiled on first use, over
 weights repacked once at load time.
 
-Without AMX, oneDNN's bf16 GEMM runs at about 60% of the speed of its fp32 GEMM (its `vdpbf16ps`
-issues at half the rate of fp32 multiply-adds), and its bf16 matrix-vector product reaches a
-third of memory bandwidth. `csrc/gemm_bf16.cpp` keeps the weight in bf16 (half the bytes to
-stream) but multiplies in fp32: one shift or mask widens a bf16 pair, so every row count runs
-close to the fp32 peak, and a single decode stream runs close to memory bandwidth. It can fuse
-SwiGLU (`silu(gate) * up`) into the gate/up projection.
+`csrc/gemm_bf16.cpp` keeps the weight in bf16 (half the bytes of fp32 to stream) in panels of
+16 columns x pairs of k. Where the CPU has AVX512-BF16 it multiplies bf16 rows by it with
+`vdpbf16ps` (on AMD Zen 4 twice the rate of fp32 multiply-adds, with nothing to convert); on
+every other variant, and for fp32 inputs, one shift or mask widens a bf16 pair and the kernel
+multiplies in fp32, which without AMX beats oneDNN's bf16 GEMM (its bf16 matrix-vector product
+reaches a third of memory bandwidth, and without AVX512-BF16 it converts every operand). Every
+row count runs close to the arithmetic peak, and a single decode stream close to memory
+bandwidth. It can fuse SwiGLU (`silu(gate) * up`) into the gate/up projection.
 
 `pack(weight, bias)` returns a `PackedWeight`; `linear(x, packed)` computes `x @ weight.T + bias`.
 The packed layout is the same for every kernel variant (`pagoda.kernels.build`). Where the
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 
 from pagoda.kernels.build import available, ops, status
 
-PANEL = 32
+PANEL = 16  # output columns per panel
 _PLAIN, _SWIGLU = 0, 1
 
 
@@ -46,9 +48,10 @@ def applies_to(weight: torch.Tensor) -> bool:
 class PackedWeight:
     """A `[out_features, in_features]` bf16 weight in the kernel's panel layout.
 
-    `data` is `[panels, in_features, 32]`; lane i of a panel row holds column i (low half) and
-    column 16 + i (high half). With `swiglu` the source weight was `[gate; up]` and panel j holds
-    gate and up columns 16j..16j+15; `out_features` then counts outputs of silu(gate) * up.
+    `data` is `[panels, ceil(in_features / 2), 32]`: element `2 * i + e` of pair row `r` of
+    panel `p` holds column `16 * p + i` at `k = 2 * r + e` (zero past the end). With `swiglu`
+    the source weight was `[gate; up]`, panels `2j` and `2j + 1` hold gate and up columns
+    `16j..16j+15`, and `out_features` counts outputs of silu(gate) * up.
     """
 
     data: torch.Tensor
@@ -99,10 +102,14 @@ def linear(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None 
     return out.reshape(*x.shape[:-1], packed.out_features)
 
 
-def _lanes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Panel index and position within a panel row of weight rows `rows` (plain layout)."""
-    col = rows % PANEL
-    return rows // PANEL, 2 * (col % 16) + col // 16
+def _columns(
+    packed: PackedWeight, cols: torch.Tensor, panel_offset: int = 0, panel_step: int = 1
+) -> torch.Tensor:
+    """Columns `cols` (of panels `panel_offset + panel_step * j`) of the original weight, `[n, K]`."""
+    panel = panel_offset + panel_step * (cols // PANEL)
+    pairs = packed.data.view(packed.data.shape[0], packed.data.shape[1], PANEL, 2)
+    rows = pairs[panel, :, cols % PANEL]  # [n, K2, 2]
+    return rows.reshape(cols.shape[0], -1)[:, : packed.in_features]
 
 
 def gather_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
@@ -110,19 +117,15 @@ def gather_rows(packed: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     a (tied) LM head's packed weight. Plain layout only."""
     if packed.swiglu:
         raise ValueError("gather_rows needs a plain packed weight")
-    panel, lane = _lanes(rows.reshape(-1))
-    return packed.data[panel, :, lane].reshape(*rows.shape, packed.in_features)
+    return _columns(packed, rows.reshape(-1)).reshape(*rows.shape, packed.in_features)
 
 
 def unpack(packed: PackedWeight) -> torch.Tensor:
     """The original `[N, K]` weight (for inspection and tests)."""
+    cols = torch.arange(packed.out_features)
     if packed.swiglu:
-        half = packed.out_features
-        # [panels, K, 16, 2]: [..., 0] gate columns, [..., 1] up columns.
-        pairs = packed.data.view(packed.data.shape[0], packed.in_features, 16, 2)
-        gate, up = (pairs[..., h].permute(0, 2, 1).reshape(-1, packed.in_features)[:half] for h in (0, 1))
-        return torch.cat([gate, up])
-    return gather_rows(packed, torch.arange(packed.out_features))
+        return torch.cat([_columns(packed, cols, 0, 2), _columns(packed, cols, 1, 2)])
+    return _columns(packed, cols)
 
 
 # ---------------------------------------------------------------------------------------------

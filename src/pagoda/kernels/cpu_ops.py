@@ -11,6 +11,8 @@ import torch
 
 from pagoda.kernels.build import available, ops
 
+_BF16 = torch.bfloat16
+
 
 def _op(name: str):
     """The op of the variant in use (these run a few hundred times per decode step; torch caches
@@ -19,7 +21,12 @@ def _op(name: str):
 
 
 def applies(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors) and available()
+    """Whether the kernels take these tensors: bf16 on the CPU, kernels built. (Called a few
+    times per layer and step: kept to plain attribute checks.)"""
+    for t in tensors:
+        if t.dtype is not _BF16 or not t.is_cpu:
+            return False
+    return available()
 
 
 def add_rms_norm(
@@ -54,7 +61,13 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence, `q: [B, H, D]`, over the sequence's
-    `seq_lens[b]` cached positions (its last `sliding_window` only, if set) → `[B, H, D]`."""
-    return _op("paged_decode_attention")(q, kv_cache, block_tables, seq_lens, scale, sliding_window or 0)
+    `seq_lens[b]` cached positions (its last `sliding_window` only, if set) → `[B, H, D]`.
+    With `new_kv = (k, v, slot_mapping)` (`[B, Hkv, D]` twice and int64 `[B]`) the new tokens'
+    keys and values are written to their cache slots first, in the same call."""
+    k, v, slots = new_kv if new_kv is not None else (None, None, None)
+    return _op("paged_decode_attention")(
+        q, kv_cache, block_tables, seq_lens, scale, sliding_window or 0, k, v, slots
+    )

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -189,9 +190,13 @@ void accumulate_pass(int c, const VRows& rows, int64_t d0, const float* p, const
 
 // q [B, H, D] (one new token per sequence), kv_cache [2, blocks, block_size, Hkv, D]; sequence b
 // attends to its positions [start, seq_lens[b]) read through block_tables[b], where start skips
-// all but the last `window` positions when window > 0.
+// all but the last `window` positions when window > 0. With k, v [B, Hkv, D] and slot_mapping
+// [B] (int64), the new tokens' keys and values are first written to their cache slots (each
+// (sequence, KV head) task writes its own row, then reads), which saves the separate copies.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale, int64_t window) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window,
+                                  const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+                                  const std::optional<at::Tensor>& slot_mapping) {
   check_bf16_cpu(q, "q");
   check_bf16_cpu(kv_cache, "kv_cache");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with contiguous heads");
@@ -218,15 +223,42 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       TORCH_CHECK(tables[b * ldt + j] >= 0 && tables[b * ldt + j] < num_blocks, "sequence ", b, " block ", j,
                   " is out of range");
   }
+  const bool write = k_new.has_value();
+  TORCH_CHECK(write == v_new.has_value() && write == slot_mapping.has_value(),
+              "k, v and slot_mapping come together");
+  const uint16_t *knp = nullptr, *vnp = nullptr;
+  const int64_t* slots = nullptr;
+  int64_t ldk = 0, ldkh = 0, ldv = 0, ldvh = 0;
+  if (write) {
+    for (const at::Tensor* t : {&*k_new, &*v_new}) {
+      check_bf16_cpu(*t, "k and v");
+      TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == Hkv && t->size(2) == D && t->stride(2) == 1,
+                  "k and v must be [", B, ", ", Hkv, ", ", D, "] with contiguous heads");
+    }
+    TORCH_CHECK(slot_mapping->dim() == 1 && slot_mapping->size(0) == B && slot_mapping->scalar_type() == at::kLong &&
+                    slot_mapping->is_contiguous() && slot_mapping->device().is_cpu(),
+                "slot_mapping must be a contiguous int64 CPU tensor [", B, "]");
+    slots = slot_mapping->data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      // The new token is the sequence's last position: its slot must be where the table says.
+      const int64_t pos = lens[b] - 1;
+      TORCH_CHECK(slots[b] == static_cast<int64_t>(tables[b * ldt + pos / bs]) * bs + pos % bs, "sequence ", b,
+                  ": slot ", slots[b], " is not the block table's slot of position ", pos);
+    }
+    knp = u16(*k_new);
+    vnp = u16(*v_new);
+    ldk = k_new->stride(0), ldkh = k_new->stride(1), ldv = v_new->stride(0), ldvh = v_new->stride(1);
+  }
   at::Tensor out = at::empty({B, H, D}, q.options());
   const uint16_t* qp = u16(q);
   const uint16_t* kc = u16(kv_cache);
   const uint16_t* vc = kc + kv_cache.stride(0);
   uint16_t* op = u16_mut(out);
+  uint16_t* cache_rows = reinterpret_cast<uint16_t*>(kv_cache.data_ptr<c10::BFloat16>());
   const int64_t ldq = q.stride(0), ldh = q.stride(1);
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<VecF> qf(static_cast<size_t>(G * C));
+    std::vector<float> qf(static_cast<size_t>(G * C * 16));  // scaled query heads, fp32
     std::vector<float> kf(static_cast<size_t>(16 * C * 16));
     std::vector<float> scores;
     std::vector<int64_t> offsets;
@@ -237,9 +269,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - start;
       const int32_t* table = tables + b * ldt;
+      if (write) {
+        const int64_t row = (slots[b] * Hkv + h) * D;  // slot-major rows of [blocks * block_size, Hkv, D]
+        std::memcpy(cache_rows + row, knp + b * ldk + h * ldkh, static_cast<size_t>(D) * sizeof(uint16_t));
+        std::memcpy(cache_rows + kv_cache.stride(0) + row, vnp + b * ldv + h * ldvh,
+                    static_cast<size_t>(D) * sizeof(uint16_t));
+      }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t c = 0; c < C; ++c)
-          qf[g * C + c] = mul(load_bf16(qp + b * ldq + (h * G + g) * ldh + c * 16, tail_mask(D - c * 16)), set1(fscale));
+          store(qf.data() + (g * C + c) * 16,
+                mul(load_bf16(qp + b * ldq + (h * G + g) * ldh + c * 16, tail_mask(D - c * 16)), set1(fscale)));
       scores.resize(static_cast<size_t>(G * n));
       offsets.resize(static_cast<size_t>(n));
       for (int64_t t = start, j = start / bs, slot = start % bs; t < len; ++t) {  // no division per position
@@ -263,7 +302,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
           VecF dots[16];
           for (int j = 0; j < 16; ++j) dots[j] = zero();
           for (int64_t c = 0; c < C; ++c) {
-            const VecF qv = qf[g * C + c];
+            const VecF qv = load(qf.data() + (g * C + c) * 16);
             for (int j = 0; j < 16; ++j) dots[j] = fmadd(qv, load(kf.data() + (j * C + c) * 16), dots[j]);
           }
           store(scores.data() + g * n + (t0 - start), transpose_sum16(dots), tail_mask(count));
@@ -304,8 +343,8 @@ PAGODA_LIBRARY_FRAGMENT(m) {
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def(
-      "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
-      "int window) -> Tensor");
+      "paged_decode_attention(Tensor q, Tensor(a!) kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+      "int window, Tensor? k=None, Tensor? v=None, Tensor? slot_mapping=None) -> Tensor");
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("rotary_", c10::DispatchKey::CPU, TORCH_FN(rotary_));
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));

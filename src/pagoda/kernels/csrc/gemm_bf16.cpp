@@ -1,27 +1,30 @@
 // bf16-weight linear for x86-64 CPUs: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), built once per
 // instruction-set variant over the vector layer in vec.h.
 //
-// The weight is repacked once into panels of 32 output columns, [ceil(N / 32)][K][32] bf16, with
-// the two halves of a panel interleaved: 32-bit lane i of a panel row holds column i in its low
-// 16 bits and column 16 + i in its high 16 bits. One 64-byte load (one AVX-512 register or two
-// AVX2 registers) then widens to two fp32 vectors with one shift and one mask, and every
-// multiply-add runs in fp32 (vfmadd231ps), the fastest arithmetic these CPUs have for bf16 data
-// (vdpbf16ps runs at half its rate; without AMX nothing is faster). The layout is the same for
-// every variant, so a weight packed by one runs on any other.
+// The weight is repacked once into panels of 16 output columns holding pairs of consecutive k:
+// [ceil(N / 16)][ceil(K / 2)][16][2] bf16, so that 32-bit lane i of a 64-byte panel row holds
+// column i at k (low 16 bits) and k + 1 (high 16 bits); an odd K is padded with a zero. The
+// layout is the same for every variant (a weight packed by one runs on any other) and serves
+// two kinds of arithmetic:
+//   - fp32 multiply-adds (avx2, avx512, and fp32 inputs everywhere): one shift and one mask
+//     widen a panel row into the fp32 weights of k and k + 1, each output is summed over k in
+//     order; results are equal bit for bit whatever the variant, tile or thread count;
+//   - vdpbf16ps (avx512_bf16 with bf16 inputs): one instruction multiplies a panel row by a
+//     broadcast pair of x values and adds both products, twice the multiply-add rate of fp32
+//     FMAs on CPUs that run it at full width (AMD Zen 4), with nothing to widen. Its sums run
+//     in the instruction's own order (pair by pair, denormals flushed), so they differ from the
+//     fp32 path in the last bits; results are still independent of tiles and threads.
 //
-// The micro-kernel keeps an MR x (NP * 32) tile of fp32 sums in registers for the whole K
-// loop and broadcasts one fp32 value of x per row and k (bf16 rows are widened once per task
-// into a thread-local buffer). Few rows (decode) stream NP panels at once, bound by memory
-// bandwidth; many rows (prefill) are bound by the multiply-adds, and work is split into
-// (group of rows that fits in L2) x (chunk of panels) tasks so that each panel, once read, is
-// reused from cache by every block of MR rows in the group. Every output is summed over k in
-// order, whatever the tile, the thread count or the variant: results are equal bit for bit
-// across all of them (up to the bf16 store, see vec.h).
+// The micro-kernel keeps an MR x (NP * 16) tile of fp32 sums in registers for the whole K loop
+// and broadcasts x per row and k (bf16 rows are copied once per task into a thread-local
+// buffer: widened to fp32, or padded to an even length for vdpbf16ps). Few rows (decode) stream
+// NP panels at once, bound by memory bandwidth; many rows (prefill) are bound by arithmetic, and
+// work is split into (group of rows that fits in L2) x (chunk of panels) tasks so that each
+// panel, once read, is reused from cache by every block of MR rows in the group.
 //
-// Epilogues: plain (+ bias), or SwiGLU, for a gate/up weight packed with `swiglu`: panel j then
-// holds gate columns 16j..16j+15 in its low halves and the matching up columns in its high
-// halves, and the kernel writes silu(gate) * up (16 outputs per panel) without a round trip
-// through memory.
+// Epilogues: plain (+ bias), or SwiGLU for a gate/up weight packed with `swiglu`: panels 2j and
+// 2j + 1 then hold gate and up columns 16j..16j+15, and the kernel writes silu(gate) * up without
+// a round trip through memory.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,6 +37,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -42,23 +46,26 @@ namespace {
 
 using namespace pagoda_vec;
 
-constexpr int kPanel = 32;  // output columns per panel
-// Rows per micro-tile and panels streamed at once for MR rows: 2 * MR * NP accumulators plus
-// the widened weights fit in the register file (32 vectors of 16 lanes on AVX-512, 8 on AVX2).
-// Up to kAheadRows rows prefetch the panel rows they are about to read into L1; more rows reuse
-// each panel from cache and prefetch the next panels into L2 instead.
+constexpr int kCols = 16;       // output columns per panel
+constexpr int kRowElems = 32;   // bf16 values per panel row: 16 columns x 2 k
+// Rows per micro-tile, and panels streamed at once for MR rows: MR * NP fp32 sums plus the
+// panel rows being widened fit in the register file (32 vectors of 16 lanes on AVX-512, 8 on
+// AVX2). Up to kAheadRows rows prefetch the panel rows they are about to read into L1; more rows
+// reuse each panel from cache and prefetch the next panels into L2 instead.
+// (Checked in the generated code: these tiles keep every sum in a register; one row or panel
+// more and GCC spills sums to the stack in the K loop.)
 #if defined(PAGODA_AVX512)
-constexpr int kMaxMR = 14;
-constexpr int np_for(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 3 : mr <= 6 ? 2 : 1; }
+constexpr int kMaxMR = 13;
+constexpr int np_for(int mr) { return mr <= 2 ? 8 : mr <= 3 ? 6 : mr <= 5 ? 4 : 2; }
 constexpr int kAheadRows = 4;
 #else
-constexpr int kMaxMR = 3;
-constexpr int np_for(int mr) { return mr == 1 ? 3 : 1; }
+constexpr int kMaxMR = 4;
+constexpr int np_for(int mr) { return mr == 1 ? 3 : mr == 2 ? 2 : 1; }
 constexpr int kAheadRows = 1;
 #endif
-// Rows of x whose fp32 copy share one pass over the weight: all rows of a decode batch (the
-// weight is then read from memory once); otherwise as many as fit in 128 KB, which measured
-// fastest for prefill (2048 rows: 7% faster than 1 MB groups).
+// Rows of x whose copy share one pass over the weight: all rows of a decode batch (the weight
+// is then read from memory once); otherwise as many as fit in 128 KB, which measured fastest
+// for prefill (2048 rows: 7% faster than 1 MB groups).
 constexpr int64_t kSingleGroupRows = 64;
 constexpr int64_t kGroupBytes = 128 << 10;
 constexpr int64_t kChunkBytes = 256 << 10;  // weight bytes per task
@@ -68,37 +75,35 @@ enum Epilogue : int64_t { kPlain = 0, kSwiGLU = 1 };
 
 // ---- packing ---------------------------------------------------------------------------------
 
-// w [N, K] -> [ceil(N / 32)][K][32] interleaved; with swiglu, w is [gate; up] with N = 2 * I and
-// panel j takes gate rows 16j.. and up rows I + 16j.. .
+// w [N, K] -> [panels][ceil(K / 2)][32]; with swiglu, w is [gate; up] with N = 2 * I, and panels
+// 2j and 2j + 1 take gate rows 16j.. and up rows I + 16j.. .
 at::Tensor pack_weight(const at::Tensor& w, bool swiglu) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu(),
               "weight must be a 2-D bfloat16 CPU tensor");
   const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1);
+  const int64_t N = wc.size(0), K = wc.size(1), K2 = (K + 1) / 2;
   TORCH_CHECK(!swiglu || N % 2 == 0, "a SwiGLU weight needs an even number of rows, got ", N);
-  const int64_t half = swiglu ? N / 2 : 0;
-  const int64_t panels = swiglu ? (half + 15) / 16 : (N + kPanel - 1) / kPanel;
-  at::Tensor out = at::empty({panels, K, kPanel}, wc.options());
+  const int64_t half = N / 2;
+  const int64_t panels = swiglu ? 2 * ((half + kCols - 1) / kCols) : (N + kCols - 1) / kCols;
+  at::Tensor out = at::empty({panels, K2, kRowElems}, wc.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      uint16_t* panel = dst + p * K * kPanel;
-      for (int i = 0; i < 16; ++i) {
-        for (int h = 0; h < 2; ++h) {
-          // Source row of lane i, half h (h = 0: low 16 bits, h = 1: high 16 bits).
-          int64_t row;
-          bool valid;
-          if (swiglu) {
-            const int64_t col = p * 16 + i;
-            valid = col < half;
-            row = h == 0 ? col : half + col;
-          } else {
-            row = p * kPanel + h * 16 + i;
-            valid = row < N;
-          }
-          for (int64_t k = 0; k < K; ++k) panel[k * kPanel + 2 * i + h] = valid ? src[row * K + k] : 0;
+      uint16_t* panel = dst + p * K2 * kRowElems;
+      for (int i = 0; i < kCols; ++i) {
+        int64_t row;  // source row of lane i
+        bool valid;
+        if (swiglu) {
+          const int64_t col = (p / 2) * kCols + i;
+          valid = col < half;
+          row = p % 2 == 0 ? col : half + col;
+        } else {
+          row = p * kCols + i;
+          valid = row < N;
         }
+        for (int64_t k = 0; k < 2 * K2; ++k)
+          panel[(k / 2) * kRowElems + 2 * i + k % 2] = valid && k < K ? src[row * K + k] : 0;
       }
     }
   });
@@ -116,8 +121,8 @@ struct Out {
   Epilogue epilogue;
 };
 
-// Columns col .. col + 15 of `row` (those below n_valid), already biased.
-inline void store16(const Out& o, int64_t row, int64_t col, VecF v) {
+// Columns col .. col + 15 of `row` (those below n_valid).
+[[gnu::always_inline]] inline void store16(const Out& o, int64_t row, int64_t col, VecF v) {
   const int64_t left = o.n_valid - col;
   if (left <= 0) return;
   if (o.fp32) {
@@ -129,86 +134,162 @@ inline void store16(const Out& o, int64_t row, int64_t col, VecF v) {
   }
 }
 
-inline VecF load_bias(const float* b, int64_t left) { return left >= 16 ? load(b) : load(b, tail_mask(left)); }
+[[gnu::always_inline]] inline VecF load_bias(const float* b, int64_t left) { return left >= 16 ? load(b) : load(b, tail_mask(left)); }
 
-// Rows [0, MR) of x (fp32, row stride ldx) times panels panel0 .. panel0 + NP of w (panel
-// stride K * 32); `next` is where the following panels start, prefetched into L2 on the way.
-template <int MR, int NP>
-void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t K, const Out& o, int64_t row0, int64_t panel0,
-           const uint16_t* next) {
-  VecF acc[MR][2 * NP];
+// The MR x (NP * 16) sums of rows [0, MR) of x times panels 0 .. NP of w (panel stride K2 * 32)
+// into `tile`; `next` is where the following panels start, prefetched into L2 on the way. X is
+// float (x in fp32, row stride ldx >= K: fp32 multiply-adds) or uint16_t (bf16 rows padded to
+// 2 * K2: vdpbf16ps). Kept apart from the epilogue (noinline, no calls), which lets the register
+// allocator keep the whole tile in registers.
+template <int MR, int NP, typename X>
+[[gnu::noinline]] void tile_sums(const X* x, int64_t ldx, const uint16_t* w, int64_t K, const uint16_t* next,
+                                 float (*tile)[NP * kCols]) {
+  const int64_t K2 = (K + 1) / 2, pstride = K2 * kRowElems;
+  constexpr int NV = NP * kSplit;  // registers of sums per row
+  VecN acc[MR][NV];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
-    for (int j = 0; j < 2 * NP; ++j) acc[m][j] = zero();
-  const int64_t pstride = K * kPanel;
-  for (int64_t k = 0; k < K; ++k) {
-    VecF wv[2 * NP];
-#pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) {
-      const uint16_t* src = w + p * pstride + k * kPanel;
-      if (MR <= kAheadRows) {
-        _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchRows * kPanel), _MM_HINT_T0);
-      } else if (next) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + p * pstride + k * kPanel), _MM_HINT_T1);
-      }
-      load_bf16_pairs(src, wv[2 * p], wv[2 * p + 1]);
+    for (int j = 0; j < NV; ++j) acc[m][j] = set1_n(0.0f);
+  const auto prefetch = [&](int p, int64_t kp) {
+    const uint16_t* src = w + p * pstride + kp * kRowElems;
+    if (MR <= kAheadRows) {
+      _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchRows * kRowElems), _MM_HINT_T0);
+    } else if (next) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + p * pstride + kp * kRowElems), _MM_HINT_T1);
     }
+  };
+  if constexpr (std::is_same_v<X, uint16_t>) {
+#if defined(PAGODA_ISA_AVX512_BF16)
+    for (int64_t kp = 0; kp < K2; ++kp) {
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) prefetch(p, kp);
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const VecF a = set1(x[m * ldx + k]);
+      for (int m = 0; m < MR; ++m) {
+        uint32_t pair;
+        std::memcpy(&pair, x + m * ldx + 2 * kp, sizeof(pair));
 #pragma GCC unroll 8
-      for (int j = 0; j < 2 * NP; ++j) acc[m][j] = fmadd(a, wv[j], acc[m][j]);
+        for (int p = 0; p < NP; ++p) acc[m][p] = dot_bf16_pairs(acc[m][p], w + p * pstride + kp * kRowElems, pair);  // NV == NP
+      }
     }
+#endif
+  } else {
+    // k, then k + 1: each widens its half of the panel rows (read twice from L1) so that only
+    // NV widened weights are live beside the sums. An odd K ends with a single k.
+    const auto step = [&](int64_t kp, int half) {
+      VecN wv[NV];
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        const uint16_t* row = w + p * pstride + kp * kRowElems;
+        if (half == 0) prefetch(p, kp);
+#pragma GCC unroll 2
+        for (int s = 0; s < kSplit; ++s)
+          wv[p * kSplit + s] = half == 0 ? load_bf16_firsts_n(row, s) : load_bf16_seconds_n(row, s);
+      }
+      const float* xk = x + 2 * kp + half;
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const VecN a = set1_n(xk[m * ldx]);
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; ++j) acc[m][j] = fmadd(a, wv[j], acc[m][j]);
+      }
+    };
+    const int64_t full = K / 2;
+    for (int64_t kp = 0; kp < full; ++kp) {
+      step(kp, 0);
+      step(kp, 1);
+    }
+    if (K % 2) step(full, 0);
   }
 #pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m) {
+  for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
-    for (int p = 0; p < NP; ++p) {
-      VecF lo = acc[m][2 * p], hi = acc[m][2 * p + 1];
-      if (o.epilogue == kSwiGLU) {
-        const int64_t col = (panel0 + p) * 16;
-        if (o.bias) {
-          lo = add(lo, load_bias(o.bias + col, o.n_valid - col));
-          hi = add(hi, load_bias(o.bias + o.n_valid + col, o.n_valid - col));
-        }
-        store16(o, row0 + m, col, silu_mul(lo, hi));
+    for (int j = 0; j < NV; ++j) store_n(&tile[m][j * (kCols / kSplit)], acc[m][j]);
+}
+
+// Rows [0, MR) of x times panels panel0 .. panel0 + NP of w, through the epilogue into y.
+// `stash` keeps a gate panel's sums [MR][16] for its up panel when the two are not in one tile.
+template <int MR, int NP, typename X>
+void micro(const X* x, int64_t ldx, const uint16_t* w, int64_t K, const Out& o, int64_t row0, int64_t panel0,
+           const uint16_t* next, float* stash) {
+  alignas(64) float tile[MR][NP * kCols];
+  tile_sums<MR, NP>(x, ldx, w, K, next, tile);
+  const auto sums = [&](int m, int p) { return load(&tile[m][p * kCols]); };
+  if (o.epilogue == kSwiGLU) {
+    // Panel 2j holds gate columns 16j.., panel 2j + 1 the matching up columns.
+    const auto finish = [&](int64_t row, int64_t gate_panel, VecF gate, VecF up) {
+      const int64_t col = gate_panel / 2 * kCols;
+      if (o.bias) {
+        gate = add(gate, load_bias(o.bias + col, o.n_valid - col));
+        up = add(up, load_bias(o.bias + o.n_valid + col, o.n_valid - col));
+      }
+      store16(o, row, col, silu_mul(gate, up));
+    };
+    if constexpr (NP % 2 == 0) {
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; p += 2)
+          finish(row0 + m, panel0 + p, sums(m, p), sums(m, p + 1));
+    } else if constexpr (NP == 1) {
+      // Gate and up panels run one after the other for the same rows (see block_panels).
+      if (panel0 % 2 == 0) {
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) store(stash + m * kCols, sums(m, 0));
       } else {
-        const int64_t col = (panel0 + p) * kPanel;
-        if (o.bias) {
-          lo = add(lo, load_bias(o.bias + col, o.n_valid - col));
-          hi = add(hi, load_bias(o.bias + col + 16, o.n_valid - col - 16));
-        }
-        store16(o, row0 + m, col, lo);
-        store16(o, row0 + m, col + 16, hi);
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) finish(row0 + m, panel0 - 1, load(stash + m * kCols), sums(m, 0));
+      }
+    }  // other odd widths never run SwiGLU (block_panels)
+  } else {
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        VecF v = sums(m, p);
+        const int64_t col = (panel0 + p) * kCols;
+        if (o.bias) v = add(v, load_bias(o.bias + col, o.n_valid - col));
+        store16(o, row0 + m, col, v);
       }
     }
   }
 }
 
 // One block of MR rows times panels [p0, p1); panels up to `last` may be prefetched.
-template <int MR>
-void block_panels(const float* x, int64_t ldx, const uint16_t* w, int64_t K, const Out& o, int64_t row0, int64_t p0,
+template <int MR, typename X>
+void block_panels(const X* x, int64_t ldx, const uint16_t* w, int64_t K, const Out& o, int64_t row0, int64_t p0,
                   int64_t p1, int64_t last) {
-  // Few rows are bound by reading the weight: stream several panels at once.
+  // Few rows are bound by reading the weight: stream several panels at once. SwiGLU tiles hold
+  // whole gate/up pairs, or one panel at a time (gate, then its up).
   constexpr int NP = np_for(MR);
-  const int64_t pstride = K * kPanel;
+  constexpr int NP_SWIGLU = NP % 2 == 0 || NP == 1 ? NP : NP - 1;
+  const int64_t pstride = (K + 1) / 2 * kRowElems;
+  alignas(64) float stash[MR * kCols];
   int64_t p = p0;
-  for (; p + NP <= p1; p += NP) {
-    const uint16_t* next = p + 2 * NP <= last ? w + (p + NP) * pstride : nullptr;
-    micro<MR, NP>(x, ldx, w + p * pstride, K, o, row0, p, next);
+  const auto tiles = [&]<int W>() {
+    for (; p + W <= p1; p += W) {
+      const uint16_t* next = p + 2 * W <= last ? w + (p + W) * pstride : nullptr;
+      micro<MR, W>(x, ldx, w + p * pstride, K, o, row0, p, next, stash);
+    }
+  };
+  if (o.epilogue == kSwiGLU) {
+    tiles.template operator()<NP_SWIGLU>();
+  } else {
+    tiles.template operator()<NP>();
   }
-  for (; p < p1; ++p) micro<MR, 1>(x, ldx, w + p * pstride, K, o, row0, p, p + 2 <= last ? w + (p + 1) * pstride : nullptr);
+  for (; p < p1; ++p)
+    micro<MR, 1>(x, ldx, w + p * pstride, K, o, row0, p, p + 2 <= last ? w + (p + 1) * pstride : nullptr, stash);
 }
 
-using BlockFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, const Out&, int64_t, int64_t, int64_t,
-                         int64_t);
+template <typename X>
+using BlockFn = void (*)(const X*, int64_t, const uint16_t*, int64_t, const Out&, int64_t, int64_t, int64_t, int64_t);
 
-template <int... Is>
+template <typename X, int... Is>
 constexpr auto make_table(std::integer_sequence<int, Is...>) {
-  return std::array<BlockFn, sizeof...(Is)>{&block_panels<Is + 1>...};
+  return std::array<BlockFn<X>, sizeof...(Is)>{&block_panels<Is + 1, X>...};
 }
-constexpr auto kBlockFns = make_table(std::make_integer_sequence<int, kMaxMR>{});
+template <typename X>
+constexpr auto kBlockFns = make_table<X>(std::make_integer_sequence<int, kMaxMR>{});
 
 // M rows split into ceil(M / kMaxMR) blocks of near-equal size: (first row, rows).
 std::vector<std::pair<int64_t, int>> row_blocks(int64_t M) {
@@ -235,12 +316,13 @@ inline void widen_row(const c10::BFloat16* src, float* dst, int64_t n) {
 }
 
 // Work is split into tasks of (a group of row blocks) x (a chunk of panels). Within a task each
-// panel is reused from cache by every row block of the group; bf16 rows of x are widened to fp32
-// once per group and thread.
-template <typename T>
+// panel is reused from cache by every row block of the group; bf16 rows of x are copied (widened
+// to fp32 for multiply-adds, padded to an even length for vdpbf16ps) once per group and thread.
+template <typename T, typename X>
 void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t panels, const Out& o) {
   const auto blocks = row_blocks(M);
-  const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(sizeof(float));
+  const int64_t K2 = (K + 1) / 2;
+  const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(sizeof(X));
   std::vector<std::pair<size_t, size_t>> groups;  // [first block, end block)
   for (size_t b = 0; b < blocks.size();) {
     size_t e = b + 1;
@@ -250,45 +332,58 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64
     groups.emplace_back(b, e);
     b = e;
   }
-  const int64_t chunk = std::max<int64_t>(4, kChunkBytes / (std::max<int64_t>(K, 1) * kPanel * 2)) / 4 * 4;
-  int64_t chunks = (panels + chunk - 1) / chunk;
+  // Panels go to tasks in units of one (plain) or a gate/up pair (SwiGLU).
+  const int64_t unit = o.epilogue == kSwiGLU ? 2 : 1;
+  const int64_t units = panels / unit;
+  const int64_t chunk = std::max<int64_t>(8, kChunkBytes / (std::max<int64_t>(K2, 1) * kRowElems * 2)) / 8 * 8 / unit;
+  int64_t chunks = (units + chunk - 1) / chunk;
   if (groups.size() == 1) {
     // One group (decode): a multiple of the thread count of near-equal chunks, so that every
     // thread streams the same number of panels.
-    const int64_t threads = std::min<int64_t>(panels, at::get_num_threads());
+    const int64_t threads = std::min<int64_t>(units, at::get_num_threads());
     chunks = threads * ((chunks + threads - 1) / threads);
   }
-  chunks = std::min(chunks, panels);
+  chunks = std::min(chunks, units);
   const int64_t tasks = static_cast<int64_t>(groups.size()) * chunks;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<float> buffer;
+    thread_local std::vector<X> buffer;
     int64_t converted = -1;  // the group whose rows `buffer` holds
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g = t / chunks, c = t % chunks;
       const auto [b0, b1] = groups[g];
       const int64_t row0 = blocks[b0].first;
-      const float* xg;
+      const X* xg;
       int64_t ldg;
-      if constexpr (std::is_same_v<T, float>) {
-        xg = x + row0 * ldx;
+      // x is read in place when it already has the kernel's type (and, for bf16 pairs, even K).
+      if (std::is_same_v<T, X> && (std::is_same_v<X, float> || K % 2 == 0)) {
+        xg = reinterpret_cast<const X*>(x) + row0 * ldx;
         ldg = ldx;
       } else {
         const int64_t rows = blocks[b1 - 1].first + blocks[b1 - 1].second - row0;
+        ldg = std::is_same_v<X, float> ? K : 2 * K2;
         if (converted != g) {
-          buffer.resize(static_cast<size_t>(rows * K));
-          for (int64_t r = 0; r < rows; ++r) widen_row(x + (row0 + r) * ldx, buffer.data() + r * K, K);
+          buffer.resize(static_cast<size_t>(rows * ldg));
+          for (int64_t r = 0; r < rows; ++r) {
+            if constexpr (std::is_same_v<X, float>) {
+              if constexpr (!std::is_same_v<T, float>) widen_row(x + (row0 + r) * ldx, buffer.data() + r * ldg, K);
+            } else {
+              std::memcpy(buffer.data() + r * ldg, x + (row0 + r) * ldx, static_cast<size_t>(K) * sizeof(uint16_t));
+              if (K % 2) buffer[r * ldg + K] = 0;  // the zero partner of the last k
+            }
+          }
           converted = g;
         }
         xg = buffer.data();
-        ldg = K;
       }
-      const int64_t p_begin = c * panels / chunks, p_end = (c + 1) * panels / chunks;
-      // Panels outer, row blocks inner; a single block streams the whole chunk at once.
-      const int64_t step = b1 - b0 == 1 ? p_end - p_begin : 1;
+      const int64_t p_begin = c * units / chunks * unit, p_end = (c + 1) * units / chunks * unit;
+      // Panels outer, row blocks inner; a single block streams the whole chunk at once. Several
+      // blocks take two panels (32 columns) at a time: their full-height tiles are two panels
+      // wide, and the pair is reused from L1/L2 by every block.
+      const int64_t step = b1 - b0 == 1 ? p_end - p_begin : 2;
       for (int64_t p = p_begin; p < p_end; p += step) {
         for (size_t b = b0; b < b1; ++b) {
           const auto [row, rows] = blocks[b];
-          kBlockFns[rows - 1](xg + (row - row0) * ldg, ldg, w, K, o, row, p, std::min(p + step, p_end), panels);
+          kBlockFns<X>[rows - 1](xg + (row - row0) * ldg, ldg, w, K, o, row, p, std::min(p + step, p_end), panels);
         }
       }
     }
@@ -299,15 +394,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
                          int64_t epilogue, bool out_fp32) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.scalar_type() == at::kBFloat16 &&
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kRowElems && packed.scalar_type() == at::kBFloat16 &&
                   packed.is_contiguous() && packed.device().is_cpu(),
-              "packed must be a contiguous bfloat16 CPU tensor of shape [panels, K, 32]");
+              "packed must be a contiguous bfloat16 CPU tensor of shape [panels, (K + 1) / 2, 32]");
   TORCH_CHECK(epilogue == kPlain || epilogue == kSwiGLU, "unknown epilogue ", epilogue);
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K, "packed weight has K=", packed.size(1), ", x has ", K);
-  const int64_t cols_per_panel = epilogue == kSwiGLU ? 16 : kPanel;
-  TORCH_CHECK(n >= 1 && (n + cols_per_panel - 1) / cols_per_panel == panels, "n=", n, " does not match ", panels,
-              " panels");
+  TORCH_CHECK(packed.size(1) == (K + 1) / 2, "packed weight has ", packed.size(1), " pair rows, x has K=", K);
+  const int64_t expected = epilogue == kSwiGLU ? 2 * ((n + kCols - 1) / kCols) : (n + kCols - 1) / kCols;
+  TORCH_CHECK(n >= 1 && expected == panels, "n=", n, " does not match ", panels, " panels");
   const float* b = nullptr;
   if (bias.has_value()) {
     const int64_t bias_len = epilogue == kSwiGLU ? 2 * n : n;
@@ -322,9 +416,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const Out o{y.data_ptr(), n, out_fp32, n, b, static_cast<Epilogue>(epilogue)};
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
   if (xc.scalar_type() == at::kFloat) {
-    run(xc.data_ptr<float>(), xc.stride(0), M, K, w, panels, o);
+    run<float, float>(xc.data_ptr<float>(), xc.stride(0), M, K, w, panels, o);
   } else {
-    run(xc.data_ptr<c10::BFloat16>(), xc.stride(0), M, K, w, panels, o);
+#if defined(PAGODA_ISA_AVX512_BF16)
+    run<uint16_t, uint16_t>(reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()), xc.stride(0), M, K, w,
+                            panels, o);
+#else
+    run<c10::BFloat16, float>(xc.data_ptr<c10::BFloat16>(), xc.stride(0), M, K, w, panels, o);
+#endif
   }
   return y;
 }

@@ -18,7 +18,9 @@
 //   - avx512_bf16 uses the native instruction: the same for every finite normal value and
 //     infinity, but it flushes fp32 denormals to (signed) zero and keeps a NaN's sign and
 //     payload (quietened), e.g. 0x7FC00000 -> 0x7FC0 where torch gives 0xFFFF.
-// So kernels give equal bits on every variant except where an output rounds a denormal or a NaN.
+// So a kernel written only with these operations gives equal bits on every variant, except where
+// an output rounds a denormal or a NaN. (The GEMM on avx512_bf16 also multiplies bf16 pairs with
+// vdpbf16ps, `dot_bf16_pairs`, which sums in its own order: see gemm_bf16.cpp.)
 #pragma once
 
 #include <immintrin.h>
@@ -95,13 +97,29 @@ inline VecF widen_high(__m512i v) {
 inline VecF load_bf16(const uint16_t* p) { return widen_low(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p))); }
 inline VecF load_bf16(const uint16_t* p, Mask m) { return widen_low(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p))); }
 
-// 32 bf16 values whose 32-bit lane i holds column i (low half) and column 16 + i (high half), as
-// fp32 columns 0..15 (`low`) and 16..31 (`high`): one row of a GEMM weight panel.
-inline void load_bf16_pairs(const uint16_t* p, VecF& low, VecF& high) {
-  const __m512i v = _mm512_loadu_si512(p);
-  low = widen_low(v);
-  high = widen_high(v);
+// The first (`load_bf16_firsts`) or second (`load_bf16_seconds`) values of 16 bf16 pairs (32-bit
+// lane i holds pair i) as fp32: one row of a GEMM weight panel holds column i at k and k + 1.
+inline VecF load_bf16_firsts(const uint16_t* p) { return widen_low(_mm512_loadu_si512(p)); }
+inline VecF load_bf16_seconds(const uint16_t* p) { return widen_high(_mm512_loadu_si512(p)); }
+
+// The register a VecF is made of (kSplit of them, lanes in order), for register-tiled loops:
+// arrays of VecN stay in registers where arrays of two-register VecF may not.
+using VecN = __m512;
+constexpr int kSplit = 1;
+inline VecN set1_n(float v) { return _mm512_set1_ps(v); }
+inline void store_n(float* p, VecN v) { _mm512_storeu_ps(p, v); }
+// Part s of load_bf16_firsts / load_bf16_seconds.
+inline VecN load_bf16_firsts_n(const uint16_t* p, int) { return load_bf16_firsts(p); }
+inline VecN load_bf16_seconds_n(const uint16_t* p, int) { return load_bf16_seconds(p); }
+
+#if defined(PAGODA_ISA_AVX512_BF16)
+// acc[i] += a[2i + 1] * b[1] + a[2i] * b[0] for the 16 bf16 pairs at `a` and one bf16 pair `b`
+// (vdpbf16ps: products exact in fp32, sums in fp32 with denormals flushed; its own summation
+// order, so results differ from the fp32 multiply-adds in the last bits).
+inline VecF dot_bf16_pairs(VecF acc, const uint16_t* a, uint32_t b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_set1_epi32(static_cast<int>(b)));
 }
+#endif
 
 // 16 fp32 -> 16 bf16 bits, rounded to nearest even (see the header comment for NaN and denormals).
 inline __m256i to_bf16_bits(VecF v) {
@@ -219,10 +237,24 @@ inline VecF load_bf16(const uint16_t* p, const Mask& m) {
   return load_bf16(buf);
 }
 
-inline void load_bf16_pairs(const uint16_t* p, VecF& low, VecF& high) {
-  const __m256i a = _mm256_loadu_si256((const __m256i*)p), b = _mm256_loadu_si256((const __m256i*)(p + 16));
-  low = {widen_low_half(a), widen_low_half(b)};
-  high = {widen_high_half(a), widen_high_half(b)};
+using VecN = __m256;
+constexpr int kSplit = 2;
+inline VecN set1_n(float v) { return _mm256_set1_ps(v); }
+inline VecN fmadd(VecN a, VecN b, VecN c) { return _mm256_fmadd_ps(a, b, c); }
+inline void store_n(float* p, VecN v) { _mm256_storeu_ps(p, v); }
+inline VecN load_bf16_firsts_n(const uint16_t* p, int s) {
+  return widen_low_half(_mm256_loadu_si256((const __m256i*)(p + 16 * s)));
+}
+inline VecN load_bf16_seconds_n(const uint16_t* p, int s) {
+  return widen_high_half(_mm256_loadu_si256((const __m256i*)(p + 16 * s)));
+}
+
+inline VecF load_bf16_firsts(const uint16_t* p) {
+  return {widen_low_half(_mm256_loadu_si256((const __m256i*)p)), widen_low_half(_mm256_loadu_si256((const __m256i*)(p + 16)))};
+}
+inline VecF load_bf16_seconds(const uint16_t* p) {
+  return {widen_high_half(_mm256_loadu_si256((const __m256i*)p)),
+          widen_high_half(_mm256_loadu_si256((const __m256i*)(p + 16)))};
 }
 
 inline __m256i round_bits_half(__m256 v) {  // fp32 -> bf16 bits in the low 16 bits of each lane
