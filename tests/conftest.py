@@ -3,6 +3,7 @@ paged-KV harness that builds `AttentionMetadata` the way a model runner would.""
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,6 +14,10 @@ import torch
 from kernel_variants import variant_params
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.kernels import build
+
+# Every engine the tests start (here and in server subprocesses) checks the KV block accounting
+# after every step, not only when it goes idle.
+os.environ.setdefault("PAGODA_CHECK_INVARIANTS", "1")
 
 TINY_DIMS = dict(
     hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=384

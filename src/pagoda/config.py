@@ -190,6 +190,9 @@ class EngineConfig:
     scheduler: SchedulerConfig
     structured: StructuredOutputConfig
     tokenizer: str  # tokenizer folder
+    # Check the KV block accounting after every step, not only when the engine goes idle (a debug
+    # switch: PAGODA_CHECK_INVARIANTS=1; the test suite turns it on).
+    check_invariants: bool = False
 
     @property
     def max_model_len(self) -> int:

@@ -22,8 +22,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    error: str | None = None  # with finish_reason "error": why this completion failed
 
     @property
     def finished(self) -> bool:

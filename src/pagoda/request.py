@@ -54,9 +54,9 @@ class Request:
         self.generator: torch.Generator | None = None  # set by the engine core for seeded requests
 
         self.status = RequestStatus.WAITING
+        # Tokens whose KV is computed; written by the scheduler only. The blocks holding that KV
+        # are the KV manager's record of this request, not the request's.
         self.num_computed_tokens = 0
-        # KV blocks holding this sequence's tokens in order; the request owns one reference on each.
-        self.block_ids: list[int] = []
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache, set on first schedule
         self.num_preemptions = 0
         self.skips = 0  # times passed over by the longest-prefix-match policy
@@ -95,14 +95,13 @@ class Request:
         self.token_ids.append(token_id)
 
     def drop_drafts(self) -> None:
-        """Forget unverified jump-forward tokens (their KV, if computed, is simply overwritten)."""
+        """Forget unverified jump-forward tokens (the scheduler rewinds num_computed_tokens)."""
         k = self.num_draft_tokens
         if k:
             del self.token_ids[-k:]
             if self.grammar is not None:
                 self.grammar.rollback(k)
             self.num_draft_tokens = 0
-            self.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids) - 1)
 
     def check_stop(self, max_model_len: int) -> bool:
         """After a token was appended: set the finish reason if generation must end here."""
@@ -119,5 +118,5 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+            f"computed={self.num_computed_tokens})"
         )

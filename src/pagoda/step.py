@@ -1,5 +1,6 @@
 """The typed messages of one engine step: what the scheduler hands the model runner
-(`SchedulerOutput`) and what the engine core hands back to the scheduler (`SampledTokens`).
+(`SchedulerOutput`), the grammar masks the core builds for it before the forward pass
+(`GrammarMasks`), and what comes back to the scheduler (`SampledTokens`).
 
 They live below both, so that the model runner never imports the scheduler.
 """
@@ -7,14 +8,19 @@ They live below both, so that the model runner never imports the scheduler.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagoda.request import Request
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    block_ids: list[int]  # its block table, from the KV manager (read-only here)
 
     @property
     def samples(self) -> bool:
@@ -39,9 +45,25 @@ class SchedulerOutput:
 
 
 @dataclass
+class GrammarMasks:
+    """The step's grammar bitmasks, built before the forward pass and handed to the runner.
+    `rows[request_id]` is the first of a constrained request's rows: one per token it samples, so
+    with k draft tokens k + 1 rows, row i masking the token after its i-th draft. `free_row` is
+    all-allowed, for requests without a grammar."""
+
+    bitmask: torch.Tensor  # int32 [rows, ceil(vocab_size / 32)], on the runner's device
+    rows: dict[str, int]
+    free_row: int
+
+
+@dataclass
 class SampledTokens:
     """What one step produced for a request: verified tokens (the first `num_accepted_drafts` of
-    them are jump-forward drafts that sampling confirmed), then new unverified drafts."""
+    them are draft tokens that sampling confirmed), then new unverified drafts.
+
+    The verification result of a request with k drafts is `tokens` (accepted drafts, then the
+    token sampled where sampling first disagreed, or after the last draft) and
+    `num_accepted_drafts`; a proposer then sets `drafts` for the next step."""
 
     tokens: list[int]
     num_accepted_drafts: int = 0

@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from pagoda.config import EngineArgs
-from pagoda.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, _merge
+from pagoda.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -129,7 +129,7 @@ def test_cancelling_the_consumer_aborts_the_request(engine: LLMEngine) -> None:
     async def test(llm: AsyncLLM):
         return await _first_output_then(llm, LONG, cancel)
 
-    seen = _run(engine, test, on_step=lambda _engine, outs: published.extend(outs))
+    seen = _run(engine, test, on_step=lambda outs, _stats: published.extend(outs))
     final = [o for o in published if o.request_id == "long" and o.finished]
     assert len(final) == 1 and final[0].outputs[0].finish_reason == "abort"
     assert len(seen) < 50  # it did not run to its 400 tokens
@@ -152,7 +152,7 @@ def test_leaving_the_loop_early_aborts_the_request(engine: LLMEngine) -> None:
 def test_full_waiting_queue_raises_overloaded(engine: LLMEngine) -> None:
     hold, held, release = threading.Event(), threading.Event(), threading.Event()
 
-    def on_step(_engine, _outs) -> None:
+    def on_step(_outs, _stats) -> None:
         if hold.is_set():  # park the engine thread after a step, so adds queue up meanwhile
             held.set()
             release.wait(30)
@@ -180,7 +180,7 @@ def test_cancelled_while_being_added_is_aborted(engine: LLMEngine) -> None:
     hold, held, release = threading.Event(), threading.Event(), threading.Event()
     published: list[RequestOutput] = []
 
-    def on_step(_engine, outs) -> None:
+    def on_step(outs, _stats) -> None:
         published.extend(outs)
         if hold.is_set():
             held.set()
@@ -212,7 +212,7 @@ def test_cancelled_while_being_added_is_aborted(engine: LLMEngine) -> None:
 def test_a_failing_step_kills_the_engine_cleanly(engine: LLMEngine) -> None:
     calls = []
 
-    def on_step(_engine, _outs) -> None:
+    def on_step(_outs, _stats) -> None:
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("boom")
@@ -226,6 +226,37 @@ def test_a_failing_step_kills_the_engine_cleanly(engine: LLMEngine) -> None:
             await anext(llm.generate("Hi", GREEDY))
 
     _run(engine, test, on_step=on_step)
+
+
+def test_a_model_that_raises_fails_every_in_flight_request(engine: LLMEngine, monkeypatch) -> None:
+    """Issue 15's fault: the model raises on a chosen forward pass. Every in-flight request (streamed
+    or not) gets the error, the engine says it is not running, the error callback fires once."""
+    model = engine.core.runner.model
+    calls = []
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("injected fault on forward pass 4")
+        return type(model).forward(model, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    errors: list[BaseException] = []
+
+    async def test(llm: AsyncLLM):
+        streamed = await llm.add_requests(["s"], ["Go on"], LONG)
+        whole = await llm.add_requests(["w"], ["And on"], LONG, stream=False)
+        with pytest.raises(EngineDeadError, match="injected fault"):
+            async for _ in streamed:
+                pass
+        with pytest.raises(EngineDeadError, match="injected fault"):
+            await anext(whole)
+        assert not llm.is_running
+        with pytest.raises(EngineDeadError, match="injected fault"):
+            await llm.add_requests(["late"], ["Hi"], GREEDY)
+
+    _run(engine, test, on_error=errors.append)
+    assert len(errors) == 1 and "injected fault" in str(errors[0])
 
 
 def test_shutdown_aborts_in_flight_requests(engine: LLMEngine) -> None:
@@ -263,19 +294,3 @@ def test_parallel_requests_and_n_match_sequential(engine: LLMEngine) -> None:
     parallel, by_index, whole = _run(engine, test)
     assert parallel == expected
     assert by_index == {c.index: c.text for c in whole.outputs} and sorted(by_index) == [0, 1, 2]
-
-
-def test_merge_folds_deltas() -> None:
-    def delta(parts, finished=False):
-        return RequestOutput(
-            "r", "p", [1], [CompletionOutput(i, t, ids, None, fr) for i, t, ids, fr in parts], finished
-        )
-
-    acc = _merge(None, delta([(0, "a", [1], None), (1, "x", [7], None)]))
-    acc = _merge(acc, delta([(1, "y", [8], "length")]))
-    acc = _merge(acc, delta([(0, "b", [2], "stop")], finished=True))
-    assert acc.finished
-    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in acc.outputs] == [
-        (0, "ab", [1, 2], "stop"),
-        (1, "xy", [7, 8], "length"),
-    ]

@@ -237,3 +237,49 @@ def test_preemption_and_chunked_prefill_keep_structured_outputs(tiny_model_dirs)
             assert llm.engine.core.scheduler.stats.num_preemptions > 0
         _clean(llm)
     assert results["tight"] == results["roomy"]
+
+
+@pytest.mark.parametrize("jump_forward", [False, True])
+def test_a_token_its_grammar_rejects_fails_that_request_only(tiny_model_dirs, jump_forward):
+    """A sampled token the grammar rejects (possible where a dead end comes from the vocabulary)
+    finishes that request with finish_reason "error" and a message; the engine serves on."""
+    from pagoda.structured.xgrammar_backend import XGrammarMatcher
+
+    class RejectsThird(XGrammarMatcher):
+        """Its mask allows a third token that accepting then rejects (as a vocabulary dead end)."""
+
+        __slots__ = ()
+
+        def accept_token(self, token_id: int) -> bool:
+            return self._num_accepted != 2 and super().accept_token(token_id)
+
+    class Wrapped:
+        def __init__(self, compiled) -> None:
+            self.compiled = compiled
+
+        def new_matcher(self):
+            return RejectsThird(self.compiled._compiled, self.compiled._stop_token_ids)
+
+    llm = LLM(
+        tiny_model_dirs["LlamaForCausalLM"],
+        dtype="float32",
+        num_kv_blocks=256,
+        enable_jump_forward=jump_forward,
+    )
+    engine = llm.engine
+    spec = StructuredOutputs(json=SCHEMAS[0])
+    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=spec)
+    compiled = engine.compile_grammar(spec).result()
+    engine.add_request("bad", "Customer:", params, grammar=Wrapped(compiled))
+    engine.add_request("good", "Customer:", params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    bad, good = finals["bad"].outputs[0], finals["good"].outputs[0]
+    assert bad.finish_reason == "error" and "grammar" in bad.error
+    assert len(bad.token_ids) == 2  # what it had before the rejected token
+    assert good.finish_reason == "stop" and good.error is None
+    jsonschema.validate(json.loads(good.text), SCHEMAS[0])
+    _clean(llm)
+    (again,) = llm.generate(["Customer:"], params)  # and it keeps serving
+    assert again.outputs[0].text == good.text

@@ -8,7 +8,7 @@ import pytest
 import torch
 from xgrammar.testing import bool_mask_to_bitmask
 
-from pagoda.sample import Sampler, SamplingMetadata, SamplingRow, make_generator
+from pagoda.sample import DraftSpan, Sampler, SamplingMetadata, SamplingRow, make_generator
 from pagoda.sample.filters import apply_min_p, apply_top_k_top_p
 from pagoda.sample.sampler import _inverse_cdf
 from pagoda.sampling_params import SamplingParams
@@ -439,3 +439,56 @@ def test_make_generator_accepts_any_int_seed():
     a = torch.rand(3, generator=make_generator(-1, "cpu"))
     b = torch.rand(3, generator=make_generator(2**64 - 1, "cpu"))
     assert torch.equal(a, b)
+
+
+def _draft_rows(params, prompt, history, drafts, generator):
+    return [
+        SamplingRow(params, prompt, history + drafts[:i], frozenset({0}), generator)
+        for i in range(len(drafts) + 1)
+    ]
+
+
+@pytest.mark.parametrize("reject_at", [0, 2, None])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_draft_positions_in_one_call_match_one_token_per_step(reject_at, temperature) -> None:
+    """Verifying k drafts in one call gives what sampling one token per step would: the same tokens,
+    the same accepted count, and a seeded generator that drew the same uniforms (it ends where the
+    step-by-step draws end, so every later token matches too)."""
+    vocab, k = 40, 4
+    torch.manual_seed(3)
+    logits = torch.randn(k + 1, vocab) * 2
+    params = SamplingParams(temperature=temperature, seed=11, repetition_penalty=1.3, top_k=20)
+    prompt, history = [5, 6, 7], [8]
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    seeded = temperature > 0
+
+    def one_by_one(drafts):
+        gen = make_generator(11, "cpu") if seeded else None
+        tokens = []
+        for i in range(k + 1):
+            row = _draft_rows(params, prompt, history + drafts[:i], [], gen)
+            meta = SamplingMetadata.build(row, vocab, "cpu")
+            tokens.append(sampler(logits[i : i + 1].clone(), meta).sampled_token_ids.item())
+            if i == k or tokens[-1] != drafts[i]:
+                break
+        return tokens, gen
+
+    # Drafts that sampling confirms up to `reject_at` (found step by step), then wrong ones.
+    drafts: list[int] = []
+    for i in range(k):
+        want, _ = one_by_one(drafts + [-1] * (k - len(drafts)))
+        if len(want) <= len(drafts):  # rejected earlier: the rest is never looked at
+            drafts.append(1)
+            continue
+        tok = want[len(drafts)]
+        drafts.append((tok + 1) % vocab if i == reject_at else tok)
+    expected, ref_gen = one_by_one(drafts)
+
+    gen = make_generator(11, "cpu") if seeded else None
+    meta = SamplingMetadata.build(_draft_rows(params, prompt, history, drafts, gen), vocab, "cpu")
+    out = sampler(logits.clone(), meta, None, [DraftSpan(0, tuple(drafts), gen)])
+    (accepted,) = out.num_accepted
+    assert accepted == (k if reject_at is None else reject_at)
+    assert out.sampled_token_ids.tolist()[: accepted + 1] == expected
+    if seeded:
+        assert torch.equal(gen.get_state(), ref_gen.get_state())

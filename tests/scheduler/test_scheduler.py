@@ -34,12 +34,12 @@ class FakeKV:
             req = s.request
             start = req.num_computed_tokens
             for pos in range(start, start + s.num_new_tokens):
-                block = req.block_ids[pos // self.bs]
+                block = s.block_ids[pos // self.bs]
                 self.slots[block * self.bs + pos % self.bs] = req.token_ids[pos]
             if s.samples:
                 end = start + s.num_new_tokens
                 # "attention": read the whole context back through the block table
-                ctx = [self.slots[req.block_ids[p // self.bs] * self.bs + p % self.bs] for p in range(end)]
+                ctx = [self.slots[s.block_ids[p // self.bs] * self.bs + p % self.bs] for p in range(end)]
                 assert ctx == req.token_ids[:end], f"{req.request_id} read a wrong KV slot"
                 sampled[req.request_id] = SampledTokens([fake_token(ctx)])
         return sampled
@@ -190,8 +190,8 @@ def test_abort_frees_blocks():
     sched.add_request(r)
     s = sched.schedule()
     sched.update_from_output(s, kv.run(s, sched))
-    assert r.block_ids
+    assert kvm.block_ids("a")
     sched.finish_requests(["a"], "abort")
-    assert r.finish_reason == "abort" and not r.block_ids
+    assert r.finish_reason == "abort" and not kvm.holds("a") and not kvm.block_ids("a")
     assert kvm.pool.num_free == kvm.num_blocks
     sched.check()

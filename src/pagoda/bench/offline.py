@@ -464,8 +464,7 @@ def _run_cache_workload(args, model, tokenizer, n, input_len, output_len, cachin
             seed=args.seed,
         )
     requests = sample_requests(cfg, tokenizer)
-    stats = engine.core.scheduler.stats
-    computed0 = stats.num_computed_tokens
+    computed0 = engine.stats().num_computed_tokens
     start = time.perf_counter()
     mono0 = time.monotonic()
     ttfts: list[float] = []
@@ -510,7 +509,9 @@ def _run_cache_workload(args, model, tokenizer, n, input_len, output_len, cachin
                     submit(conv)
     elapsed = time.perf_counter() - start
     name = f"pagoda cache {'on' if caching else 'off'}"
-    return RunResult(name, elapsed, out_tokens, in_tokens, ttfts, stats.num_computed_tokens - computed0)
+    return RunResult(
+        name, elapsed, out_tokens, in_tokens, ttfts, engine.stats().num_computed_tokens - computed0
+    )
 
 
 def _run_structured(args, model, tokenizer, n, input_len, output_len) -> list[RunResult]:
@@ -542,8 +543,7 @@ def _run_structured(args, model, tokenizer, n, input_len, output_len) -> list[Ru
         )
         params = SamplingParams(max_tokens=output_len, temperature=0, structured_outputs=spec)
         engine.compile_grammar(spec).result()
-        stats = engine.core.scheduler.stats
-        steps0 = stats.num_sequence_steps
+        steps0 = engine.stats().num_sequence_steps
         start, mono0 = time.perf_counter(), time.monotonic()
         ids = [engine.add_request(None, p, params) for p in prompts]
         outputs = {}
@@ -559,13 +559,14 @@ def _run_structured(args, model, tokenizer, n, input_len, output_len) -> list[Ru
             except ValueError:
                 pass
         lengths = [len(o.outputs[0].token_ids) for o in outs]
+        stats = engine.stats()
         steps = stats.num_sequence_steps - steps0  # forward passes each sequence took part in
         name = f"json schema, jf {'on' if jump_forward else 'off'}"
         print(
             f"{name}: {sum(lengths)} tokens in {steps} forward passes summed over sequences "
             f"({1 - steps / sum(lengths):.0%} fewer passes than tokens), "
             f"{valid}/{len(outs)} complete JSON, jump-forward accepted "
-            f"{engine.core.num_jump_forward_accepted}/{engine.core.num_jump_forward_tokens} drafts"
+            f"{stats.jump_forward_accepted}/{stats.jump_forward_drafts} drafts"
         )
         ttfts = [o.metrics["first_token_time"] - mono0 for o in outs]
         results.append(RunResult(name, elapsed, sum(lengths), sum(map(len, prompts)), ttfts))

@@ -1,8 +1,8 @@
-"""The scheduler's only view of the KV cache: which blocks a request holds and whether more fit.
+"""The KV cache manager: the one owner of each request's KV record, and the scheduler's only view
+of the KV cache (which blocks a request holds, whether more fit, the block table to run with).
 
-Ownership: `request.block_ids` lists the blocks holding the request's tokens in order; the request
-owns one pool reference on each. The radix cache owns one more reference on every block it caches.
-A request with cached blocks locks the deepest radix node of its cached prefix (`_nodes`).
+It never writes a request's `num_computed_tokens` (the scheduler does, from what this returns) and
+reads of a request only its token ids, salt, sibling and computed count.
 """
 
 from __future__ import annotations
@@ -25,14 +25,40 @@ class CacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
+@dataclass
+class KVRecord:
+    """One running request's KV. Block i holds tokens [i * block_size, (i + 1) * block_size).
+
+    | blocks                        | what they are                        | the request's part          |
+    |-------------------------------|--------------------------------------|-----------------------------|
+    | [0, num_cached_blocks)        | in the radix tree (a hit, or its own | one reference each; `node`  |
+    |                               | blocks that cache() inserted)        | locks them against eviction |
+    | next, n > 1 forks only        | the first sample's prompt blocks,    | one reference each          |
+    |                               | shared, not (yet) in the tree        |                             |
+    | the rest                      | its own, freshly allocated (the copy | the only reference          |
+    |                               | of a partly filled shared block too) |                             |
+    `free()` gives back one reference on every block and unlocks `node`: what the tree or a sibling
+    also holds stays, the rest returns to the pool.
+    """
+
+    blocks: list[int]
+    node: Node | None = None  # the deepest locked radix node of its cached prefix
+    num_cached_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class Allocation:
+    num_computed: int  # tokens whose KV the request already has (cache hit, sibling's prompt)
+    num_new: int  # tokens to compute now
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.radix = RadixCache(self.pool, block_size) if enable_prefix_caching else None
         self.stats = CacheStats()
-        self._nodes: dict[str, Node] = {}  # request id -> locked radix node
-        self._num_cached_blocks: dict[str, int] = {}  # request id -> leading blocks inserted in the tree
+        self._records: dict[str, KVRecord] = {}  # request id -> its KV, while it holds blocks
         self._copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must do first
 
     @property
@@ -48,6 +74,14 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (empty if it holds no blocks). Read-only for the caller."""
+        record = self._records.get(request_id)
+        return record.blocks if record is not None else []
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._records
+
     # ---- the scheduler's interface ---------------------------------------------------------------
     def cached_prefix_len(self, request: Request) -> int:
         """Tokens of the request a cache lookup would serve now; read-only."""
@@ -55,10 +89,12 @@ class KVCacheManager:
             return 0
         return self.radix.match_len(request.token_ids, request.cache_salt)
 
-    def allocate_first(self, request: Request, max_new_tokens: int) -> int:
-        """Give a waiting request (num_computed_tokens == 0) its blocks: its longest cached prefix,
-        a sibling's prompt KV (n > 1), then room for up to `max_new_tokens` more. Returns the number
-        of tokens to compute now (0: they do not fit, and the request is left untouched)."""
+    def allocate_first(self, request: Request, max_new_tokens: int) -> Allocation | None:
+        """Give a request that holds no blocks its KV record: its longest cached prefix, a sibling's
+        prompt KV (n > 1), then room for up to `max_new_tokens` more. None: they do not fit, and
+        nothing changed."""
+        if request.request_id in self._records:
+            raise RuntimeError(f"{request.request_id} already holds KV blocks")
         bs = self.block_size
         total = request.num_tokens
         node, shared = None, []
@@ -73,7 +109,7 @@ class KVCacheManager:
             # sample recomputes to draw its own first token. Past the cached prefix these blocks
             # are the sibling's own, so no radix lock is needed for them.
             num_computed = total - 1
-            shared = shared + source.block_ids[len(shared) : -(-num_computed // bs)]
+            shared = shared + self.block_ids(source.request_id)[len(shared) : -(-num_computed // bs)]
         num_new = min(max_new_tokens, total - num_computed)
         # The sibling's last block is partly filled and will be written: copy it first.
         cow = num_computed % bs != 0
@@ -83,7 +119,7 @@ class KVCacheManager:
         if not self._reserve(need):
             if node is not None:
                 self.radix.unlock(node)
-            return 0
+            return None
         if self.radix is not None:  # counted once the request is admitted, not per attempt
             self.stats.queried_tokens += total
             self.stats.hit_tokens += num_cached_blocks * bs
@@ -93,57 +129,49 @@ class KVCacheManager:
             src = shared.pop()
             self.pool.decref([src])
             self._copies.append((src, new_blocks[0]))
-        request.block_ids = shared + new_blocks
-        request.num_computed_tokens = num_computed
-        if node is not None:
-            self._nodes[request.request_id] = node
-            self._num_cached_blocks[request.request_id] = num_cached_blocks
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_computed
-        return num_new
+        self._records[request.request_id] = KVRecord(
+            shared + new_blocks, node, num_cached_blocks if node is not None else 0
+        )
+        return Allocation(num_computed, num_new)
 
     def allocate_more(self, request: Request, num_new_tokens: int) -> bool:
         """Room for `num_new_tokens` more tokens of a running request; False if they don't fit."""
-        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
+        record = self._records[request.request_id]
+        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(record.blocks)
         if need <= 0:
             return True
         if not self._reserve(need):
             return False
-        request.block_ids.extend(self.pool.allocate(need))
+        record.blocks.extend(self.pool.allocate(need))
         return True
 
-    def cache_computed(self, request: Request) -> None:
+    def cache(self, request: Request) -> None:
         """Insert the request's newly completed blocks into the prefix cache, so the next turn of a
         conversation, a sibling, or the request itself after preemption finds them."""
-        if self.radix is None:
+        record = self._records.get(request.request_id)
+        if self.radix is None or record is None:
             return
-        rid = request.request_id
-        done = self._num_cached_blocks.get(rid, 0)
+        done = record.num_cached_blocks
         full = request.num_computed_tokens // self.block_size
         if full <= done:
             return
         bs = self.block_size
-        parent = self._nodes.get(rid) or self.radix.root(request.cache_salt)
-        node = self.radix.insert(
-            parent, request.token_ids[done * bs : full * bs], request.block_ids[done:full]
-        )
+        parent = record.node or self.radix.root(request.cache_salt)
+        node = self.radix.insert(parent, request.token_ids[done * bs : full * bs], record.blocks[done:full])
         self.radix.lock(node)
-        if rid in self._nodes:
-            self.radix.unlock(self._nodes[rid])
-        self._nodes[rid] = node
-        self._num_cached_blocks[rid] = full
+        if record.node is not None:
+            self.radix.unlock(record.node)
+        record.node, record.num_cached_blocks = node, full
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks (cached ones stay in the tree, unlocked)."""
-        self.cache_computed(request)
-        rid = request.request_id
-        node = self._nodes.pop(rid, None)
-        if node is not None:
-            self.radix.unlock(node)
-        self._num_cached_blocks.pop(rid, None)
-        self.pool.decref(request.block_ids)
-        request.block_ids = []
-        request.num_computed_tokens = 0
+    def free(self, request_id: str) -> None:
+        """Release the request's KV record (blocks in the tree stay there, unlocked). Call cache()
+        first to keep its computed blocks for later."""
+        record = self._records.pop(request_id, None)
+        if record is None:
+            return
+        if record.node is not None:
+            self.radix.unlock(record.node)
+        self.pool.decref(record.blocks)
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self._copies = self._copies, []
@@ -167,17 +195,23 @@ class KVCacheManager:
         self.radix.evict(short)
         return self.pool.num_free >= need
 
-    def check(self, requests: Iterable[Request] = ()) -> None:
-        """Block accounting: each block's reference count equals the number of its holders."""
+    def check(self, live_request_ids: Iterable[str] | None = None) -> None:
+        """Block accounting: each block's reference count equals the number of its holders (the
+        tree, and each record), and, given the ids of the requests that may hold blocks, no one
+        else holds any."""
         self.pool.check()
         expected = [0] * self.pool.num_blocks
         if self.radix is not None:
             self.radix.check()
             for b in self.radix.cached_blocks():
                 expected[b] += 1
-        for req in requests:
-            for b in req.block_ids:
+        for record in self._records.values():
+            for b in record.blocks:
                 expected[b] += 1
         if expected != self.pool.ref_cnt:
             bad = [b for b in range(self.pool.num_blocks) if expected[b] != self.pool.ref_cnt[b]]
             raise AssertionError(f"KV block ref counts disagree with holders at blocks {bad[:10]}")
+        if live_request_ids is not None:
+            stray = set(self._records) - set(live_request_ids)
+            if stray:
+                raise AssertionError(f"requests that are not running hold KV blocks: {sorted(stray)[:10]}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import queue
 import threading
@@ -23,14 +22,18 @@ from typing import Any
 from pagoda.config import EngineArgs
 from pagoda.engine.input_processor import Prompt
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.engine.messages import StepStats
+from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
-# Called on the engine thread after each step (and after aborts) with the delta outputs produced.
-StepCallback = Callable[[LLMEngine, list[RequestOutput]], None]
+# Called on the engine thread after each step (and after aborts) with the outputs produced and what
+# the step did (the core's stats snapshot and each touched request's token counts and timings).
+StepCallback = Callable[[list[RequestOutput], StepStats], None]
+# Called on the engine thread once it died of an error, after every listener has been told.
+ErrorCallback = Callable[[BaseException], None]
 
 
 class EngineDeadError(RuntimeError):
@@ -137,6 +140,7 @@ class AsyncLLM:
         *,
         max_waiting_requests: int | None = None,
         on_step: StepCallback | None = None,
+        on_error: ErrorCallback | None = None,
     ) -> None:
         if max_waiting_requests is not None and (
             not isinstance(max_waiting_requests, int) or max_waiting_requests < 1
@@ -145,13 +149,13 @@ class AsyncLLM:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.on_step = on_step
+        self.on_error = on_error
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _closed against a submit racing the thread's exit
         self._closed = False
         self.error: BaseException | None = None  # why the engine thread died, if it did
-        # Engine-thread state: where each request's outputs go, and non-streamed outputs so far.
-        self._sinks: dict[str, tuple[_Sink, bool]] = {}
-        self._partial: dict[str, RequestOutput] = {}
+        # Engine-thread state: where each request's outputs go (this layer's one record of its ids).
+        self._sinks: dict[str, _Sink] = {}
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
 
@@ -294,10 +298,15 @@ class AsyncLLM:
             logger.exception("the engine thread died")
             self.error = exc
             self._stop()
+            if self.on_error is not None:
+                try:
+                    self.on_error(exc)
+                except Exception:
+                    logger.exception("the engine's error callback failed")
 
     def _add(self, cmd: _Add) -> None:
         engine = self.engine
-        waiting = len(engine.core.scheduler.waiting)
+        waiting = engine.stats().num_waiting
         if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
             cmd.sink.put(
                 EngineOverloadedError(
@@ -312,7 +321,7 @@ class AsyncLLM:
                 if rid in self._sinks:
                     raise ValueError(f"request id {rid!r} is already in use")
                 engine.add_request(
-                    rid, prompt, cmd.params, cache_salt=cmd.cache_salt, stream=True, grammar=cmd.grammar
+                    rid, prompt, cmd.params, cache_salt=cmd.cache_salt, stream=cmd.stream, grammar=cmd.grammar
                 )
                 added.append(rid)
         except ValueError as exc:
@@ -320,24 +329,19 @@ class AsyncLLM:
             cmd.sink.put(exc)
             return
         for rid in added:
-            self._sinks[rid] = (cmd.sink, cmd.stream)
+            self._sinks[rid] = cmd.sink
         cmd.sink.put(_ACCEPTED)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if self.on_step is not None:
-            self.on_step(self.engine, outputs)
+            self.on_step(outputs, self.engine.last_step_stats)
         for out in outputs:
-            entry = self._sinks.get(out.request_id)
-            if entry is None:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
                 continue
-            sink, stream = entry
-            if not stream:
-                out = self._partial[out.request_id] = _merge(self._partial.get(out.request_id), out)
             if out.finished:
                 del self._sinks[out.request_id]
-                self._partial.pop(out.request_id, None)
-            if stream or out.finished:
-                sink.put(out)
+            sink.put(out)
 
     def _stop(self) -> None:
         """Abort everything, tell every listener, refuse new commands. Runs on the engine thread.
@@ -351,7 +355,7 @@ class AsyncLLM:
         except Exception:
             logger.exception("aborting the remaining requests failed")
         dead = EngineDeadError(self._dead_message())
-        for sink, _ in self._sinks.values():
+        for sink in self._sinks.values():
             sink.put(dead)
         self._sinks.clear()
         with contextlib.suppress(queue.Empty):
@@ -361,27 +365,3 @@ class AsyncLLM:
                     command.sink.put(dead)
                 elif isinstance(command, _Call):
                     command.future.set_exception(dead)
-
-
-def _merge(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """Fold a delta output into the cumulative output of its request (acc's lists are our own)."""
-    if acc is None:
-        acc = dataclasses.replace(delta, outputs=[])
-    by_index = {c.index: c for c in acc.outputs}
-    for c in delta.outputs:
-        prev = by_index.get(c.index)
-        if prev is None:
-            prev = by_index[c.index] = CompletionOutput(c.index, "", [], None)
-            acc.outputs.append(prev)
-        prev.text += c.text
-        prev.token_ids.extend(c.token_ids)
-        if c.logprobs is not None:
-            prev.logprobs = prev.logprobs or []
-            prev.logprobs.extend(c.logprobs)
-        if c.finish_reason is not None:
-            prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
-    acc.outputs.sort(key=lambda c: c.index)
-    acc.finished = delta.finished
-    acc.num_cached_tokens = delta.num_cached_tokens
-    acc.metrics = delta.metrics
-    return acc

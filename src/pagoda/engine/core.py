@@ -1,27 +1,30 @@
-"""The engine core: a scheduler, a KV cache and a model runner, stepped in one loop."""
+"""The engine core: a scheduler, a KV cache and a model runner, stepped in one loop.
+
+It speaks only messages (engine/messages.py): `EngineCoreRequest` in, `EngineCoreOutput` out, an
+`EngineStats` snapshot on request. Every way a request ends early (a stop string the front end
+found, a client that went away, a user abort, shutdown) goes through `abort_requests`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
+import logging
+from collections.abc import Iterable, Mapping
 
 from pagoda.cache.kv_manager import KVCacheManager
 from pagoda.config import EngineConfig
-from pagoda.outputs import Logprob
+from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, FinishReason
 from pagoda.request import Request
 from pagoda.sample.metadata import make_generator
 from pagoda.scheduler.scheduler import Scheduler
-from pagoda.step import SampledTokens
+from pagoda.step import GrammarMasks, SchedulerOutput
 from pagoda.structured import GrammarManager
 from pagoda.worker.model_runner import ModelRunner
 
+logger = logging.getLogger(__name__)
 
-@dataclass
-class StepOutput:
-    request: Request
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, Logprob]] | None
+
+class _GrammarViolation(Exception):
+    """A sampled token its grammar rejects: that request fails, the engine serves on."""
 
 
 class EngineCore:
@@ -37,19 +40,75 @@ class EngineCore:
         self.num_jump_forward_accepted = 0  # drafts that sampling confirmed
 
     # ---- requests --------------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        if request.params.seed is not None and not request.params.greedy:
-            request.generator = make_generator(request.params.seed, self.device)
+    def add_request(self, msg: EngineCoreRequest) -> None:
+        if msg.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {msg.request_id!r} is already in use")
+        request = Request(
+            msg.request_id,
+            msg.prompt_token_ids,
+            msg.params,
+            max_tokens=msg.max_tokens,
+            eos_token_ids=msg.eos_token_ids,
+            cache_salt=msg.cache_salt,
+            arrival_time=msg.arrival_time,
+            fork_source=self.scheduler.requests.get(msg.fork_of) if msg.fork_of else None,
+        )
+        if msg.grammar is not None:
+            request.grammar = msg.grammar.new_matcher()
+        if msg.params.seed is not None and not msg.params.greedy:
+            request.generator = make_generator(msg.params.seed, self.device)
         self.scheduler.add_request(request)
 
-    def abort_requests(self, request_ids: list[str]) -> list[Request]:
-        return self.scheduler.finish_requests(request_ids, "abort")
+    def abort_requests(
+        self,
+        request_ids: Iterable[str],
+        reason: FinishReason = "abort",
+        stop_reasons: Mapping[str, str] | None = None,
+        error: str | None = None,
+    ) -> list[EngineCoreOutput]:
+        """Finish requests from outside the step (unknown or finished ids are skipped) and free
+        their blocks now. Returns their final outputs."""
+        finished = self.scheduler.finish_requests(list(request_ids), reason, stop_reasons)
+        if finished:
+            self._after_change()
+        return [
+            EngineCoreOutput(
+                r.request_id,
+                [],
+                None,
+                r.finish_reason,
+                r.stop_reason,
+                max(r.num_cached_tokens, 0),
+                error if r.finish_reason == "error" else None,
+            )
+            for r in finished
+        ]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def stats(self) -> EngineStats:
+        s, kv = self.scheduler.stats, self.kv
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=kv.usage,
+            num_free_blocks=kv.pool.num_free,
+            num_blocks=kv.num_blocks,
+            num_preemptions=s.num_preemptions,
+            num_finished=s.num_finished,
+            num_computed_tokens=s.num_computed_tokens,
+            num_steps=s.num_steps,
+            num_sequence_steps=s.num_sequence_steps,
+            prefix_cache_queries=kv.stats.queried_tokens,
+            prefix_cache_hits=kv.stats.hit_tokens,
+            num_evicted_blocks=kv.num_evicted_blocks,
+            jump_forward_drafts=self.num_jump_forward_tokens,
+            jump_forward_accepted=self.num_jump_forward_accepted,
+        )
+
     # ---- the loop --------------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -57,64 +116,92 @@ class EngineCore:
                     f"the scheduler cannot start {self.scheduler.waiting[0]} with an idle engine"
                 )
             return []
-        result = self.runner.execute(sched, self._fill_bitmask if self.grammars else None)
+        result = self.runner.execute(sched, self._grammar_masks(sched))
         requests = self.scheduler.requests
-        sampled: dict[str, SampledTokens] = {}
-        logprobs: dict[str, list[dict[int, Logprob]]] = {}
-        for rid, tok in result.sampled.items():
-            sampled[rid] = SampledTokens([tok])
-            if rid in result.logprobs:
-                logprobs[rid] = [result.logprobs[rid]]
-            if requests[rid].grammar is not None:
-                self._accept(requests[rid], tok)
-        for rid, draft_logits in result.draft_logits.items():
-            sampled[rid], logprobs[rid] = self._verify_drafts(requests[rid], draft_logits)
-        for rid, res in sampled.items():
-            if requests[rid].grammar is not None:
-                res.drafts = self._jump_forward(requests[rid], res.tokens)
+        sampled = result.sampled
+        failed: dict[str, str] = {}  # request id -> why it fails
+        for rid, res in list(sampled.items()):
+            req = requests[rid]
+            self.num_jump_forward_accepted += res.num_accepted_drafts
+            if req.grammar is None:
+                continue
+            try:
+                # The masks left the grammar past every draft: keep the accepted ones, then the
+                # token sampling chose.
+                req.grammar.rollback(req.num_draft_tokens - res.num_accepted_drafts)
+                self._accept(req, res.tokens[-1])
+            except _GrammarViolation as exc:
+                failed[rid] = str(exc)
+                del sampled[rid]
+                continue
+            res.drafts = self._jump_forward(req, res.tokens)
         verified = {rid: requests[rid].num_tokens - requests[rid].num_draft_tokens for rid in sampled}
         changed = self.scheduler.update_from_output(sched, sampled)
         outputs = []
         for req in changed:
             new = req.token_ids[verified[req.request_id] : req.num_tokens - req.num_draft_tokens]
-            lp = logprobs.get(req.request_id)
-            outputs.append(StepOutput(req, new, lp[: len(new)] if lp else None))
+            lp = result.logprobs.get(req.request_id)
+            outputs.append(
+                EngineCoreOutput(
+                    req.request_id,
+                    new,
+                    lp[: len(new)] if lp else None,
+                    req.finish_reason,
+                    req.stop_reason,
+                    max(req.num_cached_tokens, 0),
+                )
+            )
+        for rid, why in failed.items():
+            logger.warning("request %s failed: %s", rid, why)
+            outputs.extend(self.abort_requests([rid], "error", error=why))
+        self._after_change()
         return outputs
 
+    def _after_change(self) -> None:
+        """The KV accounting invariant, whenever the engine goes idle (and after every step and
+        abort with the debug switch on)."""
+        if self.config.check_invariants or not self.has_unfinished():
+            self.check_invariants()
+
     # ---- structured output -----------------------------------------------------------------------
-    def _fill_bitmask(self, batch: list[Request]) -> torch.Tensor | None:
-        if all(r.grammar is None for r in batch):
+    def _grammar_masks(self, sched: SchedulerOutput) -> GrammarMasks | None:
+        """The bitmasks of every constrained row this step samples, built before the forward pass:
+        one row per plain request, and k + 1 rows for a request with k drafts (row i from its
+        grammar after drafts[:i])."""
+        reqs = [s.request for s in sched.scheduled if s.samples and s.request.grammar is not None]
+        if not reqs:
             return None
-        bitmask = self.grammars.allocate_bitmask(len(batch))
-        self.grammars.fill_bitmask(bitmask, [r.grammar for r in batch])
-        return bitmask.to(self.device, non_blocking=True)
+        plain = [r for r in reqs if not r.num_draft_tokens]
+        drafted = [r for r in reqs if r.num_draft_tokens]
+        bitmask = self.grammars.allocate_bitmask(
+            len(plain) + 1 + sum(r.num_draft_tokens + 1 for r in drafted)
+        )
+        rows = {r.request_id: i for i, r in enumerate(plain)}
+        free_row = len(plain)  # all-allowed, as allocated
+        if plain:
+            self.grammars.fill_bitmask(bitmask, [r.grammar for r in plain])
+        row = free_row + 1
+        one = self.grammars.allocate_bitmask(1) if drafted else None
+        for r in drafted:
+            # The grammar accepted the drafts when they were proposed: walk it back through them.
+            k = r.num_draft_tokens
+            drafts = r.token_ids[r.num_tokens - k :]
+            r.grammar.rollback(k)
+            rows[r.request_id] = row
+            for i in range(k + 1):
+                self.grammars.fill_bitmask(one, [r.grammar])
+                bitmask[row + i].copy_(one[0])
+                if i < k and not r.grammar.accept_token(drafts[i]):
+                    raise RuntimeError(f"{r.request_id}: its grammar no longer accepts its own draft")
+            row += k + 1
+        return GrammarMasks(bitmask.to(self.device, non_blocking=True), rows, free_row)
 
     def _accept(self, req: Request, token: int) -> None:
         if not req.grammar.accept_token(token):
-            raise RuntimeError(f"{req.request_id}: sampled token {token} violates its grammar")
-
-    def _verify_drafts(self, req: Request, logits: torch.Tensor) -> tuple[SampledTokens, list]:
-        """Sample at each draft position in order, exactly as decoding one token per step would
-        (same masks, penalties and random draws); keep drafts while the samples agree with them."""
-        k = req.num_draft_tokens
-        drafts = req.token_ids[-k:]
-        req.grammar.rollback(k)
-        history = req.output_token_ids
-        tokens: list[int] = []
-        logprobs: list[dict[int, Logprob]] = []
-        for i in range(k + 1):
-            sampled, lps = self.runner.sample(
-                logits[i : i + 1], [req], self._fill_bitmask([req]), [history + tokens]
+            raise _GrammarViolation(
+                f"sampled token {token} is not allowed by the request's grammar (a dead end of the "
+                "grammar over this vocabulary); generation stopped"
             )
-            tok = sampled[req.request_id]
-            self._accept(req, tok)
-            tokens.append(tok)
-            if req.request_id in lps:
-                logprobs.append(lps[req.request_id])
-            if i == k or tok != drafts[i]:
-                break
-        self.num_jump_forward_accepted += len(tokens) - 1
-        return SampledTokens(tokens, num_accepted_drafts=len(tokens) - 1), logprobs
 
     def _jump_forward(self, req: Request, tokens: list[int]) -> list[int]:
         """Tokens the grammar forces after `tokens`, proposed as drafts for the next step."""

@@ -5,16 +5,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import time
 from concurrent.futures import Future
 
 from pagoda.config import EngineArgs
 from pagoda.engine.core import EngineCore
 from pagoda.engine.input_processor import Prompt, tokenize_prompt
+from pagoda.engine.messages import EngineCoreRequest, EngineStats, StepStats
 from pagoda.engine.output_processor import OutputProcessor, RequestGroup, _Completion
 from pagoda.engine.resolve import resolve_engine_config
 from pagoda.limits import check_context
 from pagoda.outputs import RequestOutput
-from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams, StructuredOutputs
 from pagoda.structured import CompiledGrammar, GrammarConfig, GrammarManager
 from pagoda.tokenizer import OutputTextState, apply_chat_template, eos_token_ids, load_tokenizer
@@ -30,6 +31,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._grammar_lock = threading.Lock()
+        # What the last step (or abort) did, for an observer such as the server's metrics.
+        self.last_step_stats = StepStats(self.core.stats())
 
     @property
     def max_model_len(self) -> int:
@@ -64,7 +67,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.output_processor.groups:
+        if self.output_processor.knows(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         self.args.limits.check_request(prompt, params, self.max_model_len)
         text, prompt_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
@@ -76,31 +79,35 @@ class LLMEngine:
                 raise ValueError("min_tokens cannot be combined with structured_outputs")
             grammar = grammar or self.compile_grammar(params.structured_outputs).result()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
-        children: list[Request] = []
-        for i, cid in enumerate(child_ids):
-            child_params = params
-            if params.seed is not None and i > 0:
-                child_params = dataclasses.replace(params, seed=params.seed + i)
-            children.append(
-                Request(
-                    cid,
-                    prompt_ids,
-                    child_params,
-                    max_tokens=max_tokens,
-                    eos_token_ids=self.eos_token_ids,
-                    cache_salt=cache_salt,
-                    fork_source=children[0] if i > 0 else None,
-                )
+        for cid in child_ids:
+            if self.output_processor.knows(cid):
+                raise ValueError(f"request id {cid!r} is already in use")
+        arrival = time.monotonic()
+        messages = [
+            EngineCoreRequest(
+                cid,
+                prompt_ids,
+                dataclasses.replace(params, seed=params.seed + i)
+                if params.seed is not None and i
+                else params,
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=arrival,
+                cache_salt=cache_salt,
+                fork_of=child_ids[0] if i else None,
+                grammar=grammar,
             )
+            for i, cid in enumerate(child_ids)
+        ]
         completions = [
             _Completion(i, OutputTextState.from_sampling_params(self.tokenizer, prompt_ids, params))
             for i in range(params.n)
         ]
-        self.output_processor.add(RequestGroup(request_id, text, prompt_ids, completions, child_ids, stream))
-        for child in children:
-            if grammar is not None:
-                child.grammar = grammar.new_matcher()
-            self.core.add_request(child)
+        self.output_processor.add(
+            RequestGroup(request_id, text, prompt_ids, completions, child_ids, stream, arrival_time=arrival)
+        )
+        for msg in messages:
+            self.core.add_request(msg)
         return request_id
 
     @property
@@ -125,28 +132,32 @@ class LLMEngine:
         failed compile makes the future raise ValueError."""
         return self.grammars.compile_async(spec)
 
+    def wait_for_grammar_compiles(self, timeout: float | None) -> bool:
+        """False if a grammar compile is still running after `timeout` seconds."""
+        return self.core.grammars is None or self.core.grammars.wait_for_compiles(timeout)
+
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         """Abort requests (by user request id); returns their final outputs."""
-        child_ids = []
-        for rid in request_ids:
-            group = self.output_processor.groups.get(rid)
-            if group is not None:
-                child_ids.extend(group.child_ids)
-        finished = self.core.abort_requests(child_ids)
-        outputs, _ = self.output_processor.process([], finished)
-        return outputs
+        self.output_processor.process(self.core.abort_requests(self.output_processor.child_ids(request_ids)))
+        return self._take_outputs()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.groups)
 
+    def stats(self) -> EngineStats:
+        """A snapshot of the core's counters (running, waiting, KV use, prefix hits, ...)."""
+        return self.core.stats()
+
     # ---- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        step = self.core.step()
-        outputs, stopped = self.output_processor.process(step, [])
-        if stopped:
-            finished = self.core.scheduler.finish_requests(stopped, "stop")
-            more, _ = self.output_processor.process([], finished)
-            outputs.extend(more)
+        stopped = self.output_processor.process(self.core.step())
+        if stopped:  # stop strings end requests through the core's one abort path
+            self.output_processor.process(self.core.abort_requests(stopped, "stop", stopped))
+        return self._take_outputs()
+
+    def _take_outputs(self) -> list[RequestOutput]:
+        outputs, requests = self.output_processor.take_outputs()
+        self.last_step_stats = StepStats(self.core.stats(), requests)
         return outputs
 
     def reset_prefix_cache(self) -> int:

@@ -1,4 +1,10 @@
-"""Turns the core's per-step token ids into RequestOutputs: text, stop strings, n > 1 groups."""
+"""Turns the core's `EngineCoreOutput`s into `RequestOutput`s: text, stop strings, n > 1 groups.
+
+The one output builder: a streamed request gets one delta output per step that gave it something,
+a non-streamed one a single cumulative output when it finishes. Finish state is copied from the
+core's messages; a stop string found here is sent back to the core as an abort (reason "stop"),
+whose final message then finishes the completion like any other.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,8 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from pagoda.engine.core import StepOutput
+from pagoda.engine.messages import EngineCoreOutput, RequestStepStats
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
-from pagoda.request import Request
 from pagoda.tokenizer import OutputTextState
 
 
@@ -19,8 +24,10 @@ class _Completion:
     text: OutputTextState
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
+    # Copied from the core's final message (or the stop string found here, see process()).
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
     # what the last delta output has not shown yet
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
@@ -40,7 +47,11 @@ class RequestGroup:
     stream: bool  # True: one delta RequestOutput per step; False: one cumulative output at the end
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    last_token_time: float | None = None
     num_cached_tokens: int = 0
+    # this step, for metrics
+    step_new_tokens: int = 0
+    step_finish_reasons: list[str] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -48,66 +59,115 @@ class RequestGroup:
 
 
 class OutputProcessor:
+    """Owns the front end's record of each request id (`groups`, and `_child` for each sample's
+    core request id); both are dropped together when the group's last sample finishes."""
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.groups: dict[str, RequestGroup] = {}
         self._child: dict[str, tuple[RequestGroup, int]] = {}
+        self._touched: dict[str, RequestGroup] = {}
 
     def add(self, group: RequestGroup) -> None:
         self.groups[group.request_id] = group
         for i, cid in enumerate(group.child_ids):
             self._child[cid] = (group, i)
 
-    def process(
-        self, step: list[StepOutput], finished: list[Request]
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to report and the child request ids that hit a stop string (the
-        caller finishes those in the core)."""
+    def knows(self, request_id: str) -> bool:
+        """True while a request or a sample of one has this id."""
+        return request_id in self.groups or request_id in self._child
+
+    def child_ids(self, request_ids: list[str]) -> list[str]:
+        """The core request ids of these user request ids (unknown ones are skipped)."""
+        return [cid for rid in request_ids if (g := self.groups.get(rid)) for cid in g.child_ids]
+
+    def process(self, outputs: list[EngineCoreOutput]) -> dict[str, str]:
+        """Fold the core's messages in. Returns {core request id: stop string} for the samples that
+        hit a stop string and are still running in the core: the caller aborts them there."""
         now = time.monotonic()
-        touched: dict[str, RequestGroup] = {}
-        stopped: list[str] = []
-        for out in step:
-            group, i = self._child[out.request.request_id]
-            comp = group.completions[i]
-            if group.first_token_time is None:
-                group.first_token_time = now
-                group.num_cached_tokens = max(out.request.num_cached_tokens, 0)
-            comp.token_ids.extend(out.new_token_ids)
-            comp.new_token_ids.extend(out.new_token_ids)
-            if out.new_logprobs is not None:
-                comp.logprobs = comp.logprobs or []
-                comp.logprobs.extend(out.new_logprobs)
-                comp.new_logprobs.extend(out.new_logprobs)
-            req = out.request
-            text_ids = out.new_token_ids
-            if req.finish_reason == "stop" and isinstance(req.stop_reason, int):
-                text_ids = text_ids[:-1]  # the stop token itself is not part of the text
-            delta, stop_str = comp.text.add(text_ids, finished=req.is_finished)
-            comp.new_text += delta
-            if stop_str is not None:
-                comp.finish_reason, comp.stop_reason = "stop", stop_str
-                if not req.is_finished:
-                    stopped.append(req.request_id)
-            elif req.is_finished:
-                comp.finish_reason, comp.stop_reason = req.finish_reason, req.stop_reason
-            touched[group.request_id] = group
-        for req in finished:  # finished from outside a step (abort)
-            entry = self._child.get(req.request_id)
+        stopped: dict[str, str] = {}
+        for out in outputs:
+            entry = self._child.get(out.request_id)
             if entry is None:
                 continue
             group, i = entry
             comp = group.completions[i]
-            if comp.finish_reason is None:
-                comp.new_text += comp.text.finish()
-                comp.finish_reason = req.finish_reason or "abort"
-            touched[group.request_id] = group
-        outputs = [o for g in touched.values() if (o := self._output(g)) is not None]
-        return outputs, stopped
+            if comp.finish_reason is not None:
+                continue  # finished here by a stop string; this is the core's acknowledgement
+            if out.new_token_ids:
+                if group.first_token_time is None:
+                    group.first_token_time = now
+                    group.num_cached_tokens = out.num_cached_tokens
+                group.step_new_tokens += len(out.new_token_ids)
+                comp.token_ids.extend(out.new_token_ids)
+                comp.new_token_ids.extend(out.new_token_ids)
+                if out.new_logprobs is not None:
+                    comp.logprobs = comp.logprobs or []
+                    comp.logprobs.extend(out.new_logprobs)
+                    comp.new_logprobs.extend(out.new_logprobs)
+            text_ids = out.new_token_ids
+            if out.finish_reason == "stop" and isinstance(out.stop_reason, int):
+                text_ids = text_ids[:-1]  # the stop token itself is not part of the text
+            stop_str = None
+            if not comp.text.finished:
+                delta, stop_str = comp.text.add(text_ids, finished=out.finished)
+                comp.new_text += delta
+            if stop_str is not None:
+                if out.finished:
+                    # The core ended it in the same step (e.g. at max_tokens): the stop string,
+                    # earlier in the text, is what ended it for the user.
+                    self._finish(group, comp, "stop", stop_str, None)
+                else:
+                    stopped[out.request_id] = stop_str
+            elif out.finished:
+                self._finish(group, comp, out.finish_reason, out.stop_reason, out.error)
+            self._touched[group.request_id] = group
+        return stopped
 
-    def _output(self, group: RequestGroup) -> RequestOutput | None:
-        finished = group.finished
-        if not group.stream and not finished:
-            return None
+    def _finish(self, group: RequestGroup, comp: _Completion, reason, stop_reason, error) -> None:
+        comp.finish_reason, comp.stop_reason, comp.error = reason, stop_reason, error
+        group.step_finish_reasons.append(reason)
+
+    def take_outputs(self) -> tuple[list[RequestOutput], list[RequestStepStats]]:
+        """The outputs to report for everything processed since the last call, and what that did
+        to each request (for metrics). Finished groups are forgotten here."""
+        touched, self._touched = self._touched, {}
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        stats: list[RequestStepStats] = []
+        for group in touched.values():
+            finished = group.finished
+            stats.append(self._step_stats(group, now, finished))
+            if group.stream or finished:
+                outputs.append(self._output(group, finished, now))
+            if finished:
+                del self.groups[group.request_id]
+                for cid in group.child_ids:
+                    del self._child[cid]
+        return outputs, stats
+
+    def _step_stats(self, group: RequestGroup, now: float, finished: bool) -> RequestStepStats:
+        ttft = itl = None
+        if group.step_new_tokens:
+            if group.last_token_time is None:
+                ttft = group.first_token_time - group.arrival_time
+            else:
+                itl = now - group.last_token_time  # one per step: the n samples advance together
+            group.last_token_time = now
+        stats = RequestStepStats(
+            group.request_id,
+            num_prompt_tokens=len(group.prompt_token_ids),
+            num_new_tokens=group.step_new_tokens,
+            ttft=ttft,
+            itl=itl,
+            e2e=now - group.arrival_time if finished else None,
+            finish_reasons=tuple(group.step_finish_reasons),
+        )
+        group.step_new_tokens = 0
+        group.step_finish_reasons = []
+        return stats
+
+    def _output(self, group: RequestGroup, finished: bool, now: float) -> RequestOutput:
         completions = []
         for c in group.completions:
             if group.stream:
@@ -122,20 +182,17 @@ class OutputProcessor:
                         c.new_logprobs if c.logprobs is not None else None,
                         c.finish_reason,
                         c.stop_reason,
+                        c.error,
                     )
                 )
             else:
                 completions.append(
                     CompletionOutput(
-                        c.index, c.text.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason
+                        c.index, c.text.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, c.error
                     )
                 )
             c.new_text, c.new_token_ids, c.new_logprobs = "", [], []
-        if finished:
-            del self.groups[group.request_id]
-            for cid in group.child_ids:
-                del self._child[cid]
-        metrics = {"arrival_time": group.arrival_time, "now": time.monotonic()}
+        metrics = {"arrival_time": group.arrival_time, "now": now}
         if group.first_token_time is not None:
             metrics["first_token_time"] = group.first_token_time
         return RequestOutput(

@@ -7,6 +7,7 @@ out here, once, before anything is loaded; the components only read their part o
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -72,6 +73,7 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         scheduler=args.scheduler_config(max_model_len),
         structured=StructuredOutputConfig(args.enable_jump_forward, jump_forward_limit),
         tokenizer=args.tokenizer or args.model,
+        check_invariants=os.environ.get("PAGODA_CHECK_INVARIANTS", "") not in ("", "0"),
     )
 
 

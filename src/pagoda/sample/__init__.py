@@ -2,9 +2,10 @@
 
 from pagoda.sample.logprobs import LogprobsTensors
 from pagoda.sample.metadata import SamplingMetadata, SamplingRow, make_generator
-from pagoda.sample.sampler import Sampler, SamplerOutput
+from pagoda.sample.sampler import DraftSpan, Sampler, SamplerOutput
 
 __all__ = [
+    "DraftSpan",
     "LogprobsTensors",
     "Sampler",
     "SamplerOutput",

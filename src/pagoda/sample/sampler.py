@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -12,10 +13,24 @@ from pagoda.sample.metadata import RandomRows, SamplingMetadata
 from pagoda.sample.processors import apply_bitmask, apply_penalties, apply_token_update
 
 
+@dataclass(frozen=True)
+class DraftSpan:
+    """Rows [first_row, first_row + len(draft_token_ids)] of one request: row i samples the token
+    after its i-th draft token (row 0 the token after the last verified one). Each row's metadata
+    (penalties, bans) and grammar mask are those of the sequence with the drafts before it."""
+
+    first_row: int
+    draft_token_ids: tuple[int, ...]
+    generator: torch.Generator | None = None  # the request's own (seeded), rewound after verifying
+
+
 @dataclass(frozen=True, eq=False)
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None  # None when no row asked for logprobs
+    # Per DraftSpan: how many of its drafts the samples confirmed (the sample at the first row that
+    # disagrees, or at the last row, is the request's next token).
+    num_accepted: tuple[int, ...] = ()
 
 
 class Sampler:
@@ -43,8 +58,13 @@ class Sampler:
         logits: torch.Tensor,
         meta: SamplingMetadata,
         token_bitmask: torch.Tensor | None = None,
+        drafts: Sequence[DraftSpan] = (),
     ) -> SamplerOutput:
-        """logits: [B, V] float32, overwritten in place. token_bitmask: int32 [B, ceil(V / 32)]."""
+        """logits: [B, V] float32, overwritten in place. token_bitmask: int32 [B, ceil(V / 32)].
+
+        `drafts`: rows that verify draft tokens, all in this one call. The result is exactly that of
+        sampling one token per step: a seeded request's generator ends as if it had drawn only for
+        the rows up to the first rejection."""
         expected = (meta.num_rows, meta.vocab_size)
         if logits.dtype != torch.float32 or tuple(logits.shape) != expected:
             raise ValueError(
@@ -68,6 +88,11 @@ class Sampler:
             apply_bitmask(logits, token_bitmask)
 
         random = meta.random
+        # Where each seeded span's generator starts, to rewind it past the rows that count.
+        starts = [
+            d.generator.get_state() if d.generator is not None and random is not None else None
+            for d in drafts
+        ]
         if random is None:
             sampled = logits.argmax(dim=-1)
         elif random.is_whole_batch:
@@ -82,7 +107,16 @@ class Sampler:
             logprobs = gather_logprobs(
                 raw_logprobs, sampled.index_select(0, meta.logprob_rows), meta.logprob_rows, meta.num_logprobs
             )
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        num_accepted: tuple[int, ...] = ()
+        if drafts:
+            tokens = sampled.tolist()
+            num_accepted = tuple(_num_accepted(tokens, d) for d in drafts)
+            for d, state, accepted in zip(drafts, starts, num_accepted, strict=True):
+                if state is not None:
+                    d.generator.set_state(state)
+                    for _ in range(accepted + 1):  # the draws sampling one step at a time makes
+                        _draw(torch.empty(1, device=logits.device), d.generator)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, num_accepted=num_accepted)
 
     def _sample_random(self, logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
         """Filter and draw from the random rows' logits (modified in place)."""
@@ -111,8 +145,21 @@ class Sampler:
             shared = torch.rand(random.shared_positions.shape[0], generator=self.generator, device=device)
             u.index_copy_(0, random.shared_positions, shared)
         for position, generator in random.seeded:
-            u[position : position + 1].uniform_(generator=generator)
+            _draw(u[position : position + 1], generator)
         return u
+
+
+def _draw(out: torch.Tensor, generator: torch.Generator) -> None:
+    """One seeded row's uniform number (the same call when a draft span's generator is rewound)."""
+    out.uniform_(generator=generator)
+
+
+def _num_accepted(tokens: list[int], span: DraftSpan) -> int:
+    drafts = span.draft_token_ids
+    for i, draft in enumerate(drafts):
+        if tokens[span.first_row + i] != draft:
+            return i
+    return len(drafts)
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

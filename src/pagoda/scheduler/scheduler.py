@@ -1,10 +1,14 @@
 """Token-budget scheduler: running requests first, then waiting ones; chunked prefill; recompute
 preemption. One rule for everything: each step, num_computed_tokens catches up with num_tokens as
-far as the token budget, max_num_seqs and the KV pool allow."""
+far as the token budget, max_num_seqs and the KV pool allow.
+
+The scheduler is the only writer of a request's `num_computed_tokens` and status; the KV manager
+owns its blocks (the scheduler sees them only as the block table it hands the runner)."""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagoda.cache.kv_manager import KVCacheManager
@@ -39,8 +43,11 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_requests(self, request_ids: list[str], reason: str) -> list[Request]:
-        """Finish requests from outside the step (abort, stop string); frees their blocks now."""
+    def finish_requests(
+        self, request_ids: list[str], reason: str, stop_reasons: Mapping[str, str] | None = None
+    ) -> list[Request]:
+        """Finish requests from outside the step (abort, stop string, error); frees their blocks
+        now. Unknown and finished ids are skipped."""
         done = []
         for rid in request_ids:
             req = self.requests.get(rid)
@@ -50,7 +57,8 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
-            req.finish_reason = req.finish_reason or reason
+            req.finish_reason = reason
+            req.stop_reason = stop_reasons.get(rid) if stop_reasons else None
             self._finish(req)
             done.append(req)
         return done
@@ -70,7 +78,7 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if req.num_draft_tokens and num_new < req.num_tokens - req.num_computed_tokens:
-                req.drop_drafts()  # drafts are verified in one go or not at all
+                self._drop_drafts(req)  # drafts are verified in one go or not at all
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_more(req, num_new):
                 victim = self.running.pop()  # the newest running request yields its blocks
@@ -79,7 +87,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, num_new))
+                out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
                 i += 1
@@ -106,14 +114,18 @@ class Scheduler:
                     req.fork_source = None
                 elif src.status is not RequestStatus.RUNNING or src.num_computed_tokens < req.num_tokens - 1:
                     continue  # n > 1: wait until the sibling has computed the shared prompt
-            num_new = self.kv.allocate_first(req, budget)
-            if num_new == 0:
+            alloc = self.kv.allocate_first(req, budget)
+            if alloc is None:
                 break  # the pool is full: later requests would not fit either
+            num_new = alloc.num_new
+            req.num_computed_tokens = alloc.num_computed
+            if req.num_cached_tokens < 0:  # first admission (not a resume after preemption)
+                req.num_cached_tokens = alloc.num_computed
             req.fork_source = None
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             started.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new))
+            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
             scheduled_ids.add(req.request_id)
             budget -= num_new
         for req in started:
@@ -148,7 +160,7 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             result = sampled.get(req.request_id)
             if result is None:
-                self.kv.cache_computed(req)
+                self.kv.cache(req)
                 continue
             k = req.num_draft_tokens
             if k:
@@ -166,30 +178,39 @@ class Scheduler:
                 self.running.remove(req)
                 self._finish(req)
             else:
-                self.kv.cache_computed(req)
+                self.kv.cache(req)
                 req.token_ids.extend(result.drafts)
                 req.num_draft_tokens = len(result.drafts)
             changed.append(req)
         return changed
 
     # ---- internals -------------------------------------------------------------------------------
-    def _preempt(self, req: Request) -> None:
+    def _drop_drafts(self, req: Request) -> None:
         req.drop_drafts()
-        self.kv.free(req)  # its computed full blocks stay cached, so it finds them when it resumes
+        # Their KV, if computed, is simply overwritten; the last known token is computed again.
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+
+    def _release(self, req: Request) -> None:
+        """Give up the request's KV; its computed full blocks stay cached, so that it (after a
+        preemption), a sibling or the next turn of a conversation finds them."""
+        self.kv.cache(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+
+    def _preempt(self, req: Request) -> None:
+        self._drop_drafts(req)
+        self._release(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _finish(self, req: Request) -> None:
-        self.kv.free(req)
+        self._release(req)
         req.status = RequestStatus.FINISHED
         self.stats.num_finished += 1
         del self.requests[req.request_id]
 
     def check(self) -> None:
-        """Invariants: block accounting over every live request."""
-        self.kv.check(self.running)
-        for req in self.waiting:
-            if req.block_ids:
-                raise AssertionError(f"waiting request {req.request_id} holds KV blocks")
+        """Invariants: block accounting, and only running requests hold KV blocks."""
+        self.kv.check(r.request_id for r in self.running)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -12,22 +11,19 @@ from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.models.loader import load_model
 from pagoda.outputs import Logprob
-from pagoda.request import Request
-from pagoda.sample import Sampler, SamplingMetadata, SamplingRow
-from pagoda.step import ScheduledRequest, SchedulerOutput
+from pagoda.sample import DraftSpan, Sampler, SamplingMetadata, SamplingRow
+from pagoda.step import GrammarMasks, SampledTokens, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ModelOutput:
-    # request id -> sampled token id, for the requests that reached their last known token.
-    sampled: dict[str, int]
-    # request id -> {token id: Logprob} for the requests that asked for logprobs.
-    logprobs: dict[str, dict[int, Logprob]]
-    # request id -> float32 logits [k + 1, V] at the positions that predict each of its k
-    # jump-forward drafts and the token after them; the engine core verifies them in order.
-    draft_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    # request id -> what it sampled this step (the requests that reached their last known token):
+    # one token, or with k drafts the verification result (accepted drafts, then its next token).
+    sampled: dict[str, SampledTokens] = field(default_factory=dict)
+    # request id -> one {token id: Logprob} per token in `sampled`, for the requests that asked.
+    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -62,11 +58,9 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(
-        self,
-        out: SchedulerOutput,
-        token_bitmask_fn: Callable[[list[Request]], torch.Tensor | None] | None = None,
-    ) -> ModelOutput:
+    def execute(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> ModelOutput:
+        """Run the step's forward pass and sample every row that needs it in one sampler call:
+        one row per request that reached its last known token, plus one per draft token."""
         if out.block_copies:
             self._copy_blocks(out.block_copies)
         # Decodes (one new token) first: the attention backend batches them in one call.
@@ -74,52 +68,55 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)
 
-        sampling = [s for s in batch if s.samples and not s.request.num_draft_tokens]
-        drafted = [s for s in batch if s.samples and s.request.num_draft_tokens]
+        sampling = [s.request for s in batch if s.samples]
+        if not sampling:
+            return ModelOutput()
         ends = dict(zip((s.request.request_id for s in batch), meta.query_start_loc_cpu[1:], strict=True))
-        rows = [ends[s.request.request_id] - 1 for s in sampling]
-        for s in drafted:
-            end = ends[s.request.request_id]
-            rows.extend(range(end - s.request.num_draft_tokens - 1, end))
-        if not rows:
-            return ModelOutput({}, {})
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        output = ModelOutput({}, {})
-        offset = len(sampling)
-        for s in drafted:
-            k = s.request.num_draft_tokens
-            output.draft_logits[s.request.request_id] = logits[offset : offset + k + 1]
-            offset += k + 1
-        if sampling:
-            requests = [s.request for s in sampling]
-            bitmask = token_bitmask_fn(requests) if token_bitmask_fn else None
-            output.sampled, output.logprobs = self.sample(logits[: len(sampling)], requests, bitmask)
+        hidden_rows: list[int] = []
+        rows: list[SamplingRow] = []
+        mask_rows: list[int] = []
+        spans: list[DraftSpan] = []
+        for req in sampling:
+            k = req.num_draft_tokens
+            end = ends[req.request_id]
+            drafts = req.token_ids[req.num_tokens - k :] if k else []
+            if k:
+                spans.append(DraftSpan(len(rows), tuple(drafts), req.generator))
+            hidden_rows.extend(range(end - k - 1, end))
+            history = req.output_token_ids  # verified tokens only
+            for i in range(k + 1):
+                rows.append(
+                    SamplingRow(
+                        req.params,
+                        req.prompt_token_ids,
+                        history + drafts[:i],
+                        req.stop_token_ids,
+                        req.generator,
+                    )
+                )
+            if masks is not None:
+                first = masks.rows.get(req.request_id)
+                mask_rows.extend([masks.free_row] * (k + 1) if first is None else range(first, first + k + 1))
+        logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, device=self.device)])
+        bitmask = None
+        if masks is not None:
+            bitmask = masks.bitmask.index_select(0, torch.tensor(mask_rows, device=masks.bitmask.device))
+        sampling_meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+        result = self.sampler(logits, sampling_meta, bitmask, spans)
+        tokens = result.sampled_token_ids.tolist()
+        row_logprobs = result.logprobs.to_dicts() if result.logprobs is not None else {}
+        accepted = iter(result.num_accepted)
+        output = ModelOutput()
+        row = 0
+        for req in sampling:
+            k = req.num_draft_tokens
+            n = next(accepted) if k else 0
+            rid = req.request_id
+            output.sampled[rid] = SampledTokens(tokens[row : row + n + 1], num_accepted_drafts=n)
+            if row in row_logprobs:
+                output.logprobs[rid] = [row_logprobs[r] for r in range(row, row + n + 1)]
+            row += k + 1
         return output
-
-    @torch.inference_mode()
-    def sample(
-        self,
-        logits: torch.Tensor,
-        requests: list[Request],
-        bitmask: torch.Tensor | None,
-        output_token_ids: list[list[int]] | None = None,
-    ) -> tuple[dict[str, int], dict[str, dict[int, Logprob]]]:
-        """Sample one token per row (row i for requests[i], whose generated tokens so far are
-        `output_token_ids[i]`, by default its verified outputs)."""
-        if output_token_ids is None:
-            output_token_ids = [r.output_token_ids for r in requests]
-        rows = [
-            SamplingRow(r.params, r.prompt_token_ids, out, r.stop_token_ids, r.generator)
-            for r, out in zip(requests, output_token_ids, strict=True)
-        ]
-        meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
-        result = self.sampler(logits, meta, bitmask)
-        ids = [r.request_id for r in requests]
-        sampled = dict(zip(ids, result.sampled_token_ids.tolist(), strict=True))
-        logprobs = {}
-        if result.logprobs is not None:
-            logprobs = {ids[row]: entry for row, entry in result.logprobs.to_dicts().items()}
-        return sampled, logprobs
 
     def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -136,9 +133,7 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
         num_decodes = sum(s.num_new_tokens == 1 for s in batch)  # sorted: decodes come first
         max_blocks = max(-(-sl // bs) for sl in seq_lens)
-        tables = [
-            s.request.block_ids[:max_blocks] + [0] * (max_blocks - len(s.request.block_ids)) for s in batch
-        ]
+        tables = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids)) for s in batch]
 
         dev = self.device
         pos = torch.tensor(positions, dtype=torch.int64)

@@ -190,7 +190,8 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 def run_server(engine_args: EngineArgs, config: ServerArgs) -> int:
-    """Load the model, serve until SIGINT/SIGTERM, then finish or abort in-flight requests. Returns 0."""
+    """Load the model, serve until SIGINT/SIGTERM, then finish or abort in-flight requests. Returns 0,
+    or 1 if the engine died of an error (which also stops the server)."""
     import uvicorn
 
     engine = LLMEngine(engine_args)
@@ -210,6 +211,16 @@ def run_server(engine_args: EngineArgs, config: ServerArgs) -> int:
     # uvicorn re-raises the signal that stopped it once it is done; the no-op handlers turn that into
     # a normal return, so a requested shutdown exits with status 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def engine_died(exc: BaseException) -> None:
+        # In-flight requests have had their error events; stop serving so that the process exits
+        # non-zero and a supervisor can restart it (/health answers 503 until then).
+        logger.error("the engine stopped after an error (%r); shutting the server down", exc)
+        server.should_exit = True
+
+    state.engine.on_error = engine_died
+    if state.engine.error is not None:  # it died before the callback was set
+        server.should_exit = True
     try:
         logger.info("serving %s on http://%s:%d", state.model_names[0], config.host, config.port)
         server.run()
@@ -218,8 +229,7 @@ def run_server(engine_args: EngineArgs, config: ServerArgs) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = 0 if state.engine.error is None else 1
-    grammars = engine.core.grammars
-    if grammars is not None and not grammars.wait_for_compiles(config.shutdown_timeout):
+    if not engine.wait_for_grammar_compiles(config.shutdown_timeout):
         # A grammar compile past its deadline still runs and cannot be interrupted; exiting the
         # interpreter under it would abort the process, so leave without finalizing.
         logger.warning("exiting with a grammar compile still running")

@@ -1,7 +1,9 @@
 """Prometheus metrics with vLLM's names, so existing dashboards work. One registry per app.
 
-`on_step` runs on the engine thread after every step with that step's delta outputs; prometheus
-client objects are thread-safe, so the HTTP thread can render them at any time.
+`on_step` runs on the engine thread after every step (and abort) with what the step did: the core's
+stats snapshot and each touched request's token counts and timings (engine/messages.py); it reads
+nothing else of the engine. Prometheus client objects are thread-safe, so the HTTP thread can render
+them at any time.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.messages import RequestStepStats, StepStats
 from pagoda.outputs import RequestOutput
 
 
@@ -65,21 +67,16 @@ class ServerMetrics:
             "vllm:request_success", "Finished requests.", [*labels, "finished_reason"], registry=self.registry
         )
         self.model_name = model_name
-        self._last_output: dict[str, float] = {}  # request id -> time of its last output with tokens
         self._seen = (0, 0, 0)  # preemptions, prefix queries, prefix hits: totals already counted
 
-    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._observe(out)
-        core = engine.core
-        self.running.set(len(core.scheduler.running))
-        self.waiting.set(len(core.scheduler.waiting))
-        self.kv_usage.set(core.kv.usage)
-        totals = (
-            core.scheduler.stats.num_preemptions,
-            core.kv.stats.queried_tokens,
-            core.kv.stats.hit_tokens,
-        )
+    def on_step(self, outputs: list[RequestOutput], stats: StepStats) -> None:
+        for req in stats.requests:
+            self._observe(req)
+        engine = stats.engine
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        self.kv_usage.set(engine.kv_usage)
+        totals = (engine.num_preemptions, engine.prefix_cache_queries, engine.prefix_cache_hits)
         for counter, new, old in zip(
             (self.preemptions, self.prefix_queries, self.prefix_hits), totals, self._seen, strict=True
         ):
@@ -87,28 +84,17 @@ class ServerMetrics:
                 counter.inc(new - old)
         self._seen = totals
 
-    def _observe(self, out: RequestOutput) -> None:
-        times = out.metrics
-        now = times.get("now")
-        num_new = sum(len(c.token_ids) for c in out.outputs)
-        self.generation_tokens.inc(num_new)
-        rid = out.request_id
-        if now is not None and num_new:
-            last = self._last_output.get(rid)
-            if last is None and "first_token_time" in times:
-                self.ttft.observe(times["first_token_time"] - times["arrival_time"])
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
-            elif last is not None:
-                # One observation per step of the request: its n samples advance together.
-                self.itl.observe(now - last)
-            self._last_output[rid] = now
-        for c in out.outputs:  # each sample reports its finish reason in exactly one delta
-            if c.finish_reason is not None:
-                self._success.labels(self.model_name, c.finish_reason).inc()
-        if out.finished:
-            self._last_output.pop(rid, None)
-            if now is not None:
-                self.e2e.observe(now - times["arrival_time"])
+    def _observe(self, req: RequestStepStats) -> None:
+        self.generation_tokens.inc(req.num_new_tokens)
+        if req.ttft is not None:
+            self.ttft.observe(req.ttft)
+            self.prompt_tokens.inc(req.num_prompt_tokens)
+        if req.itl is not None:
+            self.itl.observe(req.itl)
+        for reason in req.finish_reasons:  # each sample reports its finish reason once
+            self._success.labels(self.model_name, reason).inc()
+        if req.e2e is not None:
+            self.e2e.observe(req.e2e)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -38,6 +38,7 @@ from pagoda.entrypoints.openai.serving_common import (
     SSE_DONE,
     ServerState,
     StreamResponse,
+    checked,
     collect,
     error_event,
     make_usage,
@@ -194,7 +195,7 @@ async def _stream(
     try:
         for i in range(body.n):
             yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-        async for out in stream:
+        async for out in checked(stream):
             num_cached = out.num_cached_tokens
             for c in out.outputs:
                 num_tokens[c.index] += len(c.token_ids)

@@ -170,15 +170,31 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Respo
     return task.result()
 
 
+class GenerationError(RuntimeError):
+    """A completion ended with finish_reason "error" (the engine serves on; this request failed)."""
+
+
+async def checked(stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    """The stream's outputs; raises GenerationError at the first completion that failed."""
+    async for out in stream:
+        for c in out.outputs:
+            if c.finish_reason == "error":
+                raise GenerationError(f"generation failed: {c.error}")
+        yield out
+
+
 async def collect(stream: RequestStream) -> list[RequestOutput]:
     """The final output of every request of a non-streamed RequestStream."""
     try:
-        return [out async for out in stream]
+        return [out async for out in checked(stream)]
     except EngineDeadError as exc:
         raise APIError(str(exc), 503, code="engine_unavailable") from None
+    except GenerationError as exc:
+        raise APIError(str(exc), 500, code="generation_error") from None
 
 
 def error_event(exc: Exception) -> str:
     """An error in the middle of a stream, as an SSE event (the status line is already sent)."""
     status = 503 if isinstance(exc, EngineDeadError) else 500
-    return sse(json.dumps(APIError(str(exc), status).body()))
+    code = "generation_error" if isinstance(exc, GenerationError) else None
+    return sse(json.dumps(APIError(str(exc), status, code=code).body()))

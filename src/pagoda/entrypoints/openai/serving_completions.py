@@ -23,6 +23,7 @@ from pagoda.entrypoints.openai.serving_common import (
     SSE_DONE,
     ServerState,
     StreamResponse,
+    checked,
     collect,
     error_event,
     make_usage,
@@ -116,7 +117,7 @@ async def _stream(
     choices = {p * n + i: _Choice(echoes[p]) for p in range(len(echoes)) for i in range(n)}
     cached: dict[str, int] = {}  # request id -> prompt tokens served by the prefix cache
     try:
-        async for out in stream:
+        async for out in checked(stream):
             cached[out.request_id] = out.num_cached_tokens
             for c in out.outputs:
                 index = index_of[out.request_id] * n + c.index
