@@ -39,7 +39,9 @@ class RequestLimits:
 
     max_n: int = arg(128, help="samples per prompt (n)", metavar="N")
     max_sequences: int = arg(256, help="sequences one request adds: prompts x n", metavar="N")
-    max_logprobs: int = arg(MAX_LOGPROBS, help="logprobs / top_logprobs (at most 20, as OpenAI)", metavar="N")
+    max_logprobs: int = arg(
+        MAX_LOGPROBS, help="logprobs / top_logprobs / prompt_logprobs (at most 20, as OpenAI)", metavar="N"
+    )
     max_stop: int = arg(64, help="entries of stop, and of stop_token_ids", metavar="N")
     max_stop_chars: int = arg(1024, help="characters of one stop string", metavar="N")
     max_logit_bias: int = arg(1024, help="logit_bias entries", metavar="N")
@@ -100,6 +102,8 @@ class RequestLimits:
         _over("n", params.n, self.max_n, "max_n")
         if params.logprobs is not None:
             _over("logprobs", params.logprobs, self.max_logprobs, "max_logprobs")
+        if params.prompt_logprobs is not None:
+            _over("prompt_logprobs", params.prompt_logprobs, self.max_logprobs, "max_logprobs")
         stops = params.stop or []
         _over("stop", len(stops), self.max_stop, "max_stop", "strings")
         for s in stops:

@@ -14,6 +14,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing predicts it) and for positions before
+# `logprob_start_len`, else token id -> Logprob (the prompt token plus the top-k).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -40,3 +43,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None

@@ -68,6 +68,16 @@ class Request:
         # Jump-forward: trailing tokens the grammar forces, appended unverified. They are computed
         # with the next step and kept only as far as sampling would have picked them too.
         self.num_draft_tokens = 0
+        # Prompt logprobs (SamplingParams.prompt_logprobs): entries filled by the engine core
+        # position by position as prompt chunks are computed; `prompt_logprobs_next` is the next
+        # position still owed (None once all are in, or when none were asked). The samples of an
+        # n > 1 prompt share one set, computed by the first (the others copy its prompt KV).
+        self.prompt_logprobs: list[dict | None] | None = None
+        self.prompt_logprobs_next: int | None = None
+        if params.prompt_logprobs is not None and fork_source is None:
+            start = max(1, params.logprob_start_len or 0)
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
+            self.prompt_logprobs_next = start if start < self.num_prompt_tokens else None
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +96,16 @@ class Request:
     def output_token_ids(self) -> list[int]:
         """Generated tokens, verified ones only."""
         return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_draft_tokens]
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """How many leading tokens a prefix-cache lookup may serve: never the last (its logits are
+        needed), and none from the one before the next prompt position whose logprob is owed
+        (the cache holds KV, not the hidden states those logprobs come from)."""
+        limit = self.num_tokens - 1
+        if self.prompt_logprobs_next is not None:
+            limit = min(limit, self.prompt_logprobs_next - 1)
+        return limit
 
     @property
     def is_finished(self) -> bool:

@@ -85,6 +85,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # The logprob of each prompt token given the ones before it, plus its top-k (vLLM's field);
+    # `logprob_start_len` (SGLang's name, a pagoda extension) skips the positions before it.
+    prompt_logprobs: int | None = None
+    logprob_start_len: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
@@ -144,6 +148,28 @@ class SamplingParams:
         check(
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             f"logprobs must be an integer in [0, 20], got {self.logprobs!r}",
+        )
+        check(
+            self.prompt_logprobs is None
+            or (
+                isinstance(self.prompt_logprobs, int)
+                and not isinstance(self.prompt_logprobs, bool)
+                and 0 <= self.prompt_logprobs <= 20
+            ),
+            f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}",
+        )
+        check(
+            self.logprob_start_len is None
+            or (
+                isinstance(self.logprob_start_len, int)
+                and not isinstance(self.logprob_start_len, bool)
+                and self.logprob_start_len >= 0
+            ),
+            f"logprob_start_len must be an integer >= 0, got {self.logprob_start_len!r}",
+        )
+        check(
+            self.logprob_start_len is None or self.prompt_logprobs is not None,
+            "logprob_start_len needs prompt_logprobs",
         )
         check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         if isinstance(self.stop, str):

@@ -435,7 +435,12 @@ def test_tokenize_and_detokenize(base: str, tokenizer) -> None:
             400,
             "stream_options",
         ),
-        ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "echo": True, "max_tokens": 0, "stream": True, "prompt_logprobs": 0},
+            400,
+            "prompt_logprobs",
+        ),
         ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
         ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),

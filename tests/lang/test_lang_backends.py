@@ -249,24 +249,10 @@ def test_runtime_endpoint_api_key(lang_model_dir) -> None:
         assert server.stop() == 0
 
 
-# ---- select: needs prompt logprobs from the engine ------------------------------------------------
-def _require_prompt_logprobs(backend) -> None:
-    if not backend.supports_prompt_logprobs():
-        pytest.skip(f"{backend.name} has no prompt logprobs yet (select needs them)")
-
-
-def test_select_without_prompt_logprobs_is_a_clear_error(backend) -> None:
-    if backend.supports_prompt_logprobs():
-        pytest.skip(f"{backend.name} has prompt logprobs")
-    with pytest.raises(
-        pl.BackendCapabilityError, match=re.escape(backend.name) + " cannot do select: needs prompt logprobs"
-    ):
-        classify_select.run(review="ok", backend=backend)
-
-
+# ---- select: prompt logprobs from the engine ------------------------------------------------------
+# (A backend without them is a clear error: tests/lang/test_lang_interpreter.py, on a fake.)
 def test_select_same_on_both_backends(engine_backend, http_backend) -> None:
-    _require_prompt_logprobs(engine_backend)
-    _require_prompt_logprobs(http_backend)
+    assert engine_backend.supports_prompt_logprobs() and http_backend.supports_prompt_logprobs()
     for method in (
         pl.token_length_normalized,
         pl.greedy_token_selection,

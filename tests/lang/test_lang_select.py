@@ -1,10 +1,9 @@
 """select against an independent computation from transformers' logits (fp32 tiny model).
 
-The engine-backed tests need prompt logprobs from the engine (SamplingParams.prompt_logprobs and the
-server's prompt_logprobs field); they skip, saying so, until the engine has them, and run as soon as
-it does. The stand-in test runs now: the engine backend's scoring call is replaced by transformers,
-so everything else select does on a real engine (tokenizing, choice spans, the prefix commit, the
-decision) is checked.
+Both backends score with the engine's prompt logprobs (SamplingParams.prompt_logprobs with
+logprob_start_len in-process, the server's prompt_logprobs field over HTTP). The stand-in test
+replaces the engine backend's scoring call by transformers, so that everything else select does on
+a real engine (tokenizing, choice spans, the prefix commit, the decision) is checked on its own.
 """
 
 from __future__ import annotations
@@ -40,15 +39,31 @@ class TransformersScorer:
         logprobs after the prompt, and their logprobs with no prompt (the first None)."""
         prompt_ids = self.tokenizer(prompt)["input_ids"]
         cond, uncond, spans = [], [], []
+        # A token after the same tokens has one logprob (choices sharing a first token tie there
+        # exactly, as greedy_token_selection needs); transformers' runs of different lengths
+        # differ in the last bits, so the first run of each context gives the value.
+        by_context: dict[tuple[int, ...], float] = {}
         for choice in choices:
             ids = self.tokenizer(prompt + choice)["input_ids"]
             shared = 0
             while shared < min(len(ids), len(prompt_ids)) and ids[shared] == prompt_ids[shared]:
                 shared += 1
             start = max(1, min(shared, len(ids) - 1))
-            cond.append(self.token_logprobs(ids)[start - 1 :])
+            lps = self.token_logprobs(ids)
+            cond.append(
+                [by_context.setdefault(tuple(ids[: i + 1]), lps[i - 1]) for i in range(start, len(ids))]
+            )
             spans.append(ids[start:])
-            uncond.append([None, *self.token_logprobs(ids[start:])])
+            bare = self.token_logprobs(ids[start:])
+            uncond.append(
+                [
+                    None,
+                    *(
+                        by_context.setdefault(("bare", *ids[start : start + i + 1]), lp)
+                        for i, lp in enumerate(bare, 1)
+                    ),
+                ]
+            )
         return {"cond": cond, "uncond": uncond, "spans": spans}
 
 
@@ -100,8 +115,7 @@ def _check_against_reference(backend, reference) -> None:
 
 
 def test_select_matches_transformers(backend, reference) -> None:
-    if not backend.supports_prompt_logprobs():
-        pytest.skip(f"{backend.name} has no prompt logprobs yet (select needs them)")
+    assert backend.supports_prompt_logprobs()
     _check_against_reference(backend, reference)
 
 

@@ -4,7 +4,9 @@ Both run against one pagoda server with its prefix cache on; the cache is emptie
 Workloads:
   few-shot         N questions after one shared k-shot prompt, each answered by a short gen
   select           the same questions, each choosing one of 4 answers (select: prompt logprobs);
-                   also times select against a gen of one token on the same questions
+                   the requests score each choice alone, from the whole prompt (vLLM's
+                   prompt_logprobs) or from the choice on (pagoda's logprob_start_len); also
+                   times select against a gen of one token on the same questions
   tree-of-thought  T problems, each a tree of forks (width W, depth D) of short thoughts
 Reported per variant: the median wall time over --repeats runs (after --warmup untimed ones), the
 prompt tokens the server computed (its prefix-cache queries minus hits), and the speedup of the
@@ -256,9 +258,14 @@ def run(args: argparse.Namespace) -> int:
         texts = [head + c for c in CHOICES]
         select_items.append((len(backend.tokenize(head)), texts, [backend.tokenize(t) for t in texts]))
 
-    def requests_select() -> list:
+    def requests_select(from_start: bool) -> Callable[[], list]:
+        """Each choice as its own request with vLLM's prompt_logprobs (the whole prompt scored, so
+        none of it is read from the cache), or with pagoda's logprob_start_len too (only the
+        choice's tokens scored: the shared prompt can be a cache hit)."""
+
         def score(text: str, ids: list[int], base: int) -> float:
-            out = server.complete(prompt=text, max_tokens=1, temperature=0, prompt_logprobs=0)
+            extra = {"logprob_start_len": base} if from_start else {}
+            out = server.complete(prompt=text, max_tokens=1, temperature=0, prompt_logprobs=0, **extra)
             entries = out["choices"][0]["prompt_logprobs"]
             lps = [entries[i][str(ids[i])]["logprob"] for i in range(base, len(ids))]
             return sum(lps) / len(lps)
@@ -269,8 +276,11 @@ def run(args: argparse.Namespace) -> int:
                 scores = list(pool.map(score, texts, ids, [base] * len(texts)))
             return CHOICES[max(range(len(CHOICES)), key=lambda i: (scores[i], -i))]
 
-        with ThreadPoolExecutor(len(select_items)) as pool:
-            return list(pool.map(one, select_items))
+        def run_all() -> list:
+            with ThreadPoolExecutor(len(select_items)) as pool:
+                return list(pool.map(one, select_items))
+
+        return run_all
 
     width, depth = args.width, args.depth
     problems = [_words(rng, backend, args.context_tokens) for _ in range(args.num_trees)]
@@ -316,7 +326,8 @@ def run(args: argparse.Namespace) -> int:
     plans: dict[str, list[tuple[str, Callable[[], Any]]]] = {
         "few-shot": [("requests", requests_few_shot), ("lang", lang_batch(answer))],
         "select": [
-            ("requests", requests_select),
+            ("requests", requests_select(False)),
+            ("requests start", requests_select(True)),
             ("lang", lang_batch(choose)),
             ("lang gen 1", lang_batch(first_token)),
         ],
@@ -336,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
                 sample, answers[name] = measure(server, work)
                 if round_ >= args.warmup:
                     variants[name].samples.append(sample)
-        same = answers["requests"] == answers["lang"]
+        same = all(a == answers["requests"] for name, a in answers.items() if name != "lang gen 1")
         notes[workload] = {"same_answers": same}
         print(f"{workload}: the language and the requests gave {'the same' if same else 'DIFFERENT'} answers")
         results.extend(variants.values())
@@ -345,13 +356,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report(results: list[VariantResult], notes: dict, args: argparse.Namespace) -> None:
-    print(f"\n{'workload':<16} {'variant':<12} {'median s':>9} {'computed tokens':>16} {'speedup':>8}")
+    print(f"\n{'workload':<16} {'variant':<15} {'median s':>9} {'computed tokens':>16} {'speedup':>8}")
     baseline = {r.workload: r for r in results if r.variant == "requests"}
     rows = []
     for r in results:
         base = baseline[r.workload]
         speedup = base.median_s / r.median_s
-        print(f"{r.workload:<16} {r.variant:<12} {r.median_s:>9.3f} {r.median_computed:>16} {speedup:>7.2f}x")
+        print(f"{r.workload:<16} {r.variant:<15} {r.median_s:>9.3f} {r.median_computed:>16} {speedup:>7.2f}x")
         rows.append(
             {
                 **asdict(r),

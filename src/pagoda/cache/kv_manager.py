@@ -2,7 +2,9 @@
 of the KV cache (which blocks a request holds, whether more fit, the block table to run with).
 
 It never writes a request's `num_computed_tokens` (the scheduler does, from what this returns) and
-reads of a request only its token ids, salt, sibling and computed count.
+reads of a request only its token ids, salt, sibling, computed count and `num_cacheable_tokens`
+(how many leading tokens a lookup may serve: never the last, nor, for a request owed prompt
+logprobs, its scored positions, whose hidden states the cache does not hold).
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ class KVCacheManager:
         """Tokens of the request a cache lookup would serve now; read-only."""
         if self.radix is None:
             return 0
-        return self.radix.match_len(request.token_ids, request.cache_salt)
+        return self.radix.match_len(request.token_ids[: request.num_cacheable_tokens], request.cache_salt)
 
     def allocate_first(self, request: Request, max_new_tokens: int) -> Allocation | None:
         """Give a request that holds no blocks its KV record: its longest cached prefix, a sibling's
@@ -99,8 +101,11 @@ class KVCacheManager:
         total = request.num_tokens
         node, shared = None, []
         if self.radix is not None:
-            # The last token is always computed (its logits are needed), so look up one less.
-            node, shared = self.radix.match(request.token_ids[: total - 1], request.cache_salt)
+            # The last token is always computed (its logits are needed), so look up one less; a
+            # request owed prompt logprobs looks up only the tokens before the first it scores.
+            node, shared = self.radix.match(
+                request.token_ids[: request.num_cacheable_tokens], request.cache_salt
+            )
         num_cached_blocks = len(shared)
         num_computed = len(shared) * bs
         source = request.fork_source

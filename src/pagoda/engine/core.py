@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from pagoda.cache.kv_manager import KVCacheManager
 from pagoda.config import EngineConfig
 from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, FinishReason
+from pagoda.outputs import Logprob, PromptLogprobs
 from pagoda.request import Request
 from pagoda.sample.metadata import make_generator
 from pagoda.scheduler.scheduler import Scheduler
@@ -118,6 +119,8 @@ class EngineCore:
             return []
         result = self.runner.execute(sched, self._grammar_masks(sched))
         requests = self.scheduler.requests
+        for rid, (pos, entries) in result.prompt_logprobs.items():
+            _store_prompt_logprobs(requests[rid], pos, entries)
         sampled = result.sampled
         failed: dict[str, str] = {}  # request id -> why it fails
         for rid, res in list(sampled.items()):
@@ -149,6 +152,7 @@ class EngineCore:
                     req.finish_reason,
                     req.stop_reason,
                     max(req.num_cached_tokens, 0),
+                    prompt_logprobs=_take_prompt_logprobs(req, new),
                 )
             )
         for rid, why in failed.items():
@@ -229,3 +233,20 @@ class EngineCore:
 
     def check_invariants(self) -> None:
         self.scheduler.check()
+
+
+def _store_prompt_logprobs(req: Request, pos: int, entries: list[dict[int, Logprob]]) -> None:
+    """Record the prompt logprobs of positions pos.. (a recompute after preemption may repeat
+    some: the same values). `prompt_logprobs_next` becomes None once every position is in."""
+    req.prompt_logprobs[pos : pos + len(entries)] = entries
+    end = pos + len(entries)
+    req.prompt_logprobs_next = None if end >= req.num_prompt_tokens else max(req.prompt_logprobs_next, end)
+
+
+def _take_prompt_logprobs(req: Request, new: list[int]) -> PromptLogprobs | None:
+    """The request's prompt logprobs, handed over once: with its first tokens (every position is
+    in by then); None on every other output."""
+    if not new or req.prompt_logprobs is None or req.prompt_logprobs_next is not None:
+        return None
+    entries, req.prompt_logprobs = req.prompt_logprobs, None
+    return entries

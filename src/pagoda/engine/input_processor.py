@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-Prompt = str | Sequence[int]
+# A text, token ids, or vLLM's dict forms: {"prompt": text} and {"prompt_token_ids": [ids]}.
+Prompt = str | Sequence[int] | Mapping[str, object]
+_PROMPT_KEYS = {"prompt": str, "prompt_token_ids": list}
+
+
+def normalize_prompt(prompt: Prompt) -> str | Sequence[int]:
+    """vLLM's dict prompts as the text or token ids they hold; anything else is returned as is.
+    A dict with another key, both keys or a wrong type is a ValueError naming it."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    unknown = sorted(set(prompt) - set(_PROMPT_KEYS))
+    if unknown:
+        raise ValueError(
+            f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (a list of token ids); "
+            f"{', '.join(map(repr, unknown))} is not supported"
+        )
+    if len(prompt) != 1:
+        raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+    ((key, value),) = prompt.items()
+    if not isinstance(value, _PROMPT_KEYS[key]):
+        kind = "a string" if key == "prompt" else "a list of token ids"
+        raise ValueError(f"prompt dict: {key!r} must be {kind}, got {type(value).__name__}")
+    return value
 
 
 def tokenize_prompt(

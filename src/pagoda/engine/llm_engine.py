@@ -10,7 +10,7 @@ from concurrent.futures import Future
 
 from pagoda.config import EngineArgs
 from pagoda.engine.core import EngineCore
-from pagoda.engine.input_processor import Prompt, tokenize_prompt
+from pagoda.engine.input_processor import Prompt, normalize_prompt, tokenize_prompt
 from pagoda.engine.messages import EngineCoreRequest, EngineStats, StepStats
 from pagoda.engine.output_processor import OutputProcessor, RequestGroup, _Completion
 from pagoda.engine.resolve import resolve_engine_config
@@ -69,8 +69,14 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self.output_processor.knows(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = normalize_prompt(prompt)
         self.args.limits.check_request(prompt, params, self.max_model_len)
         text, prompt_ids = tokenize_prompt(self.tokenizer, prompt, self.vocab_size, self.max_model_len)
+        if params.logprob_start_len is not None and params.logprob_start_len >= len(prompt_ids):
+            raise ValueError(
+                f"logprob_start_len ({params.logprob_start_len}) must be less than the prompt's "
+                f"length ({len(prompt_ids)} tokens)"
+            )
         # The same policy as the server's: over the context is an error, None means up to it.
         check_context(len(prompt_ids), params.max_tokens, params.min_tokens, self.max_model_len)
         max_tokens = self.max_model_len - len(prompt_ids) if params.max_tokens is None else params.max_tokens

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from pagoda.outputs import Logprob
+from pagoda.outputs import Logprob, PromptLogprobs
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,8 +45,8 @@ class EngineCoreRequest:
 @dataclass
 class EngineCoreOutput:
     """What one step (or an abort) produced for one request: the tokens new since its last output,
-    their logprobs, and, on its last output, how it finished. The core is the one record of
-    finish state; front ends copy it from here."""
+    their logprobs (once, its prompt's too), and, on its last output, how it finished. The core is
+    the one record of finish state; front ends copy it from here."""
 
     request_id: str
     new_token_ids: list[int]
@@ -55,6 +55,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (or a sibling's KV)
     error: str | None = None  # with finish_reason "error": what went wrong, for the user
+    # SamplingParams.prompt_logprobs: one entry per prompt token, sent once, on the output with the
+    # request's first tokens (the core computes them chunk by chunk before that).
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from pagoda.engine.messages import EngineCoreOutput, RequestStepStats
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagoda.tokenizer import OutputTextState
 
 
@@ -49,6 +49,7 @@ class RequestGroup:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # once the first sample's prompt logprobs are in
     # this step, for metrics
     step_new_tokens: int = 0
     step_finish_reasons: list[str] = field(default_factory=list)
@@ -94,6 +95,8 @@ class OutputProcessor:
             comp = group.completions[i]
             if comp.finish_reason is not None:
                 continue  # finished here by a stop string; this is the core's acknowledgement
+            if out.prompt_logprobs is not None:  # the first sample's, once, with its first tokens
+                group.prompt_logprobs = self._decoded(out.prompt_logprobs)
             if out.new_token_ids:
                 if group.first_token_time is None:
                     group.first_token_time = now
@@ -192,6 +195,9 @@ class OutputProcessor:
                     )
                 )
             c.new_text, c.new_token_ids, c.new_logprobs = "", [], []
+        prompt_logprobs = group.prompt_logprobs
+        if group.stream:  # sent once, with the first delta after they are in
+            group.prompt_logprobs = None
         metrics = {"arrival_time": group.arrival_time, "now": now}
         if group.first_token_time is not None:
             metrics["first_token_time"] = group.first_token_time
@@ -203,4 +209,14 @@ class OutputProcessor:
             finished,
             group.num_cached_tokens,
             metrics,
+            prompt_logprobs,
         )
+
+    def _decoded(self, entries: PromptLogprobs) -> PromptLogprobs:
+        """Fill each Logprob's decoded_token (the token's text, as vLLM reports it)."""
+        ids = sorted({t for e in entries if e is not None for t in e})
+        texts = dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids]), strict=True))
+        for e in entries:
+            for t, lp in (e or {}).items():
+                lp.decoded_token = texts[t]
+        return entries

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tqdm.auto import tqdm
 
@@ -40,8 +40,9 @@ class LLM:
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generate completions; outputs come back in the order of `prompts`. A prompt is a
-        string or a list of token ids."""
-        if isinstance(prompts, str) or (
+        string, a list of token ids, or vLLM's dict forms `{"prompt": text}` and
+        `{"prompt_token_ids": [ids]}`."""
+        if isinstance(prompts, str | Mapping) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]

@@ -29,6 +29,19 @@ def choice_spans(prompt_ids: list[int], full_ids: list[list[int]]) -> list[int]:
     return [max(1, min(common_prefix_len(prompt_ids, ids), len(ids) - 1)) for ids in full_ids]
 
 
+def _same_context_same_value(
+    prompts: list[list[int]], starts: list[int], scored: list[list[float]]
+) -> list[list[float]]:
+    """Give a token the same logprob in every choice where it follows the same tokens. They are
+    equal in exact arithmetic, but requests computed in different rows of a batch can differ in
+    the last bits, and greedy_token_selection compares choices that share a first token exactly."""
+    seen: dict[tuple[int, ...], float] = {}
+    return [
+        [seen.setdefault(tuple(ids[: start + j + 1]), lp) for j, lp in enumerate(lps)]
+        for ids, start, lps in zip(prompts, starts, scored, strict=True)
+    ]
+
+
 def select(
     backend: Backend, prompt: str, choices: list[str], method: ChoicesSamplingMethod
 ) -> ChoicesDecision:
@@ -36,7 +49,7 @@ def select(
     prompt_ids = backend.tokenize(prompt)
     full = [backend.tokenize(prompt + choice) for choice in choices]
     starts = choice_spans(prompt_ids, full)
-    scored = backend.prompt_logprobs(full, starts)
+    scored = _same_context_same_value(full, starts, backend.prompt_logprobs(full, starts))
     input_token_logprobs: list[list[TokenLogprob]] = [
         [(lp, ids[start + j], None) for j, lp in enumerate(lps)]
         for ids, start, lps in zip(full, starts, scored, strict=True)
@@ -45,7 +58,9 @@ def select(
     unconditional = None
     if method.requires_unconditional_logprobs:
         spans = [ids[start:] for ids, start in zip(full, starts, strict=True)]
-        bare = backend.prompt_logprobs(spans, [1] * len(spans))
+        bare = _same_context_same_value(
+            spans, [1] * len(spans), backend.prompt_logprobs(spans, [1] * len(spans))
+        )
         unconditional = [
             [(None, span[0], None)] + [(lp, span[j + 1], None) for j, lp in enumerate(lps)]
             for span, lps in zip(spans, bare, strict=True)

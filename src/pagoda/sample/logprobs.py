@@ -53,3 +53,14 @@ def gather_logprobs(
         sampled_token_ranks=ranks,
         num_logprobs=num_logprobs,
     )
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, num_logprobs: tuple[int, ...]
+) -> list[dict[int, Logprob]]:
+    """logits: [L, V] at the positions before L prompt tokens; targets: [L] those tokens. For
+    each row, the target's logprob (with its rank) then its top-k (vLLM's prompt_logprobs)."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    rows = torch.arange(len(targets), device=logits.device)
+    entries = gather_logprobs(raw, targets, rows, num_logprobs).to_dicts()
+    return [entries[i] for i in range(len(targets))]

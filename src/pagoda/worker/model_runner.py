@@ -11,10 +11,15 @@ from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.models.loader import load_model
 from pagoda.outputs import Logprob
+from pagoda.request import Request
 from pagoda.sample import DraftSpan, Sampler, SamplingMetadata, SamplingRow
+from pagoda.sample.logprobs import prompt_logprobs
 from pagoda.step import GrammarMasks, SampledTokens, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# Prompt-logprob rows go through the LM head this many at a time ([rows, vocab] float32 each).
+_PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass
@@ -24,6 +29,9 @@ class ModelOutput:
     sampled: dict[str, SampledTokens] = field(default_factory=dict)
     # request id -> one {token id: Logprob} per token in `sampled`, for the requests that asked.
     logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
+    # request id -> (first prompt position, its logprob entries in order) for the requests owed
+    # prompt logprobs whose positions this step computed.
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -60,7 +68,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> ModelOutput:
         """Run the step's forward pass and sample every row that needs it in one sampler call:
-        one row per request that reached its last known token, plus one per draft token."""
+        one row per request that reached its last known token, plus one per draft token. The
+        prompt positions owed prompt logprobs in this step's chunks are scored too."""
         if out.block_copies:
             self._copy_blocks(out.block_copies)
         # Decodes (one new token) first: the attention backend batches them in one call.
@@ -69,9 +78,10 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
 
         sampling = [s.request for s in batch if s.samples]
-        if not sampling:
-            return ModelOutput()
         ends = dict(zip((s.request.request_id for s in batch), meta.query_start_loc_cpu[1:], strict=True))
+        scored = self._prompt_logprob_rows(batch, ends)
+        if not sampling and not scored:
+            return ModelOutput()
         hidden_rows: list[int] = []
         rows: list[SamplingRow] = []
         mask_rows: list[int] = []
@@ -97,7 +107,17 @@ class ModelRunner:
             if masks is not None:
                 first = masks.rows.get(req.request_id)
                 mask_rows.extend([masks.free_row] * (k + 1) if first is None else range(first, first + k + 1))
+        # Prompt-logprob rows share the sampling rows' LM-head call (the first slice of them).
+        prompt_rows = [row + i for _, _, row, count in scored for i in range(count)]
+        num_sampling = len(hidden_rows)
+        hidden_rows.extend(prompt_rows[:_PROMPT_LOGPROB_ROWS])
         logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, device=self.device)])
+        output = ModelOutput()
+        if scored:
+            output.prompt_logprobs = self._prompt_logprobs(scored, logits[num_sampling:], hidden)
+            logits = logits[:num_sampling]
+        if not sampling:
+            return output
         bitmask = None
         if masks is not None:
             bitmask = masks.bitmask.index_select(0, torch.tensor(mask_rows, device=masks.bitmask.device))
@@ -106,7 +126,6 @@ class ModelRunner:
         tokens = result.sampled_token_ids.tolist()
         row_logprobs = result.logprobs.to_dicts() if result.logprobs is not None else {}
         accepted = iter(result.num_accepted)
-        output = ModelOutput()
         row = 0
         for req in sampling:
             k = req.num_draft_tokens
@@ -117,6 +136,48 @@ class ModelRunner:
                 output.logprobs[rid] = [row_logprobs[r] for r in range(row, row + n + 1)]
             row += k + 1
         return output
+
+    def _prompt_logprob_rows(
+        self, batch: list[ScheduledRequest], ends: dict[str, int]
+    ) -> list[tuple[Request, int, int, int]]:
+        """For the requests owed prompt logprobs: (request, first prompt position this step
+        scores, its flat row, number of positions). The row at position q predicts token q + 1."""
+        spans = []
+        for s in batch:
+            req = s.request
+            if req.prompt_logprobs_next is None:
+                continue
+            start = req.num_computed_tokens
+            first = max(start, req.prompt_logprobs_next - 1)
+            last = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if first < last:
+                row = ends[req.request_id] - s.num_new_tokens + first - start
+                spans.append((req, first + 1, row, last - first))
+        return spans
+
+    def _prompt_logprobs(
+        self, spans: list[tuple[Request, int, int, int]], head: torch.Tensor, hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[dict[int, Logprob]]]]:
+        """The entries of `spans`: `head` holds the logits of their first rows (computed with the
+        sampling rows in one LM-head call); the rest go through the LM head in slices."""
+        rows = [row + i for _, _, row, count in spans for i in range(count)]
+        targets = [t for req, pos, _, count in spans for t in req.token_ids[pos : pos + count]]
+        ks = [req.params.prompt_logprobs for req, _, _, count in spans for _ in range(count)]
+        entries: list[dict[int, Logprob]] = []
+        for off in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
+            end = min(off + _PROMPT_LOGPROB_ROWS, len(rows))
+            if off < len(head):
+                logits = head[off:end]
+            else:
+                logits = self.model.compute_logits(hidden[torch.tensor(rows[off:end], device=self.device)])
+            ids = torch.tensor(targets[off:end], device=self.device)
+            entries.extend(prompt_logprobs(logits, ids, tuple(ks[off:end])))
+        result = {}
+        offset = 0
+        for req, pos, _, count in spans:
+            result[req.request_id] = (pos, entries[offset : offset + count])
+            offset += count
+        return result
 
     def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size

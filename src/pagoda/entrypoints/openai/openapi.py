@@ -118,6 +118,8 @@ def _constrain_requests(
         "guided_regex": _set(**grammar_text),
         "guided_grammar": _set(**grammar_text),
         "guided_choice": _set(**choices),
+        "prompt_logprobs": _set(minimum=0, maximum=limits.max_logprobs),
+        "logprob_start_len": _set(minimum=0, maximum=max_model_len - 1),
     }
     prompt_text = {"type": "string", "minLength": 1, "maxLength": text_limit}
     prompt_ids = {"type": "array", "minItems": 1, "maxItems": max_new, "items": token_id}
@@ -133,7 +135,7 @@ def _constrain_requests(
                 ]
             }
         ),
-        "max_tokens": _set(minimum=1, maximum=max_new),
+        "max_tokens": _set(minimum=0, maximum=max_new, description="0 only with echo: the prompt alone"),
         "logprobs": _set(minimum=0, maximum=limits.max_logprobs),
         "suffix": _replace({"type": "null", "description": "not supported: must be null"}),
         "best_of": _set(minimum=1, maximum=limits.max_n, description="must equal n"),

@@ -114,6 +114,9 @@ class _SamplingRequest(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None
+    # pagoda's extension (SGLang's name): prompt logprobs only from this position on
+    logprob_start_len: int | None = None
 
     def _structured_outputs(self) -> StructuredOutputs | None:
         """The one output constraint asked for, by whichever field; two at once is an error."""
@@ -151,9 +154,15 @@ class _SamplingRequest(_Strict):
         """Raises ValueError (message, param) for combinations that cannot be honoured."""
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options is only allowed with stream: true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ParamError("prompt_logprobs are not available with stream: true", "prompt_logprobs")
 
     def sampling_params(
-        self, vocab_size: int, max_tokens: int | None, logprobs: int | None
+        self,
+        vocab_size: int,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """SamplingParams; raises ParamError naming the bad field."""
         bias = None
@@ -187,6 +196,8 @@ class _SamplingRequest(_Strict):
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            "logprob_start_len": self.logprob_start_len,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
             "logit_bias": bias,
@@ -223,8 +234,24 @@ class CompletionRequest(_SamplingRequest):
             raise ParamError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise ParamError("echo with logprobs needs prompt logprobs, which are not supported", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise ParamError(
+                "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens"
+            )
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt alone (and its logprobs), nothing generated (vLLM)."""
+        return self.echo and self.max_tokens == 0
+
+    def engine_max_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """prompt_logprobs, or with echo the logprobs asked (the echoed prompt's, as vLLM)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list of strings or token-id lists; ParamError if empty."""
@@ -508,12 +535,29 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, None (the first) or token id -> its logprob
+PromptLogprobsOut = list[dict[int, PromptLogprob] | None]
+
+
+def prompt_logprobs_out(entries: list | None) -> PromptLogprobsOut | None:
+    if entries is None:
+        return None
+    return [None if e is None else {t: PromptLogprob(**vars(lp)) for t, lp in e.items()} for e in entries]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -573,6 +617,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
 
 
 class _WithoutNulls(BaseModel):

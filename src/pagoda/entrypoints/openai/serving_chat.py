@@ -32,12 +32,14 @@ from pagoda.entrypoints.openai.protocol import (
     TopLogprob,
     new_id,
     now_s,
+    prompt_logprobs_out,
 )
 from pagoda.entrypoints.openai.reasoning import prompt_state
 from pagoda.entrypoints.openai.serving_common import (
     SSE_DONE,
     ServerState,
     StreamResponse,
+    check_logprob_start,
     checked,
     collect,
     error_event,
@@ -85,6 +87,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     )
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     state.check_length(len(prompt_ids), params, param)
+    check_logprob_start(params, [prompt_ids])
     request_id = new_id("chatcmpl")
     try:
         stream = await state.start(
@@ -132,7 +135,14 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             )
         )
     usage = make_usage(len(prompt_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
-    return ChatCompletionResponse(id=request_id, created=now_s(), model=model, choices=choices, usage=usage)
+    return ChatCompletionResponse(
+        id=request_id,
+        created=now_s(),
+        model=model,
+        choices=choices,
+        usage=usage,
+        prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs),
+    )
 
 
 def _finish_reason(reason: str | None, has_calls: bool, named: bool) -> str | None:

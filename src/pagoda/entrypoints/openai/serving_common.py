@@ -109,6 +109,17 @@ def param_error(exc: ParamError | LimitError, renamed: dict[str, str] | None = N
     return APIError(str(exc), param=param)
 
 
+def check_logprob_start(params: SamplingParams, prompts: Sequence[list[int]]) -> None:
+    """logprob_start_len must fall inside every prompt (a 400 naming it)."""
+    start = params.logprob_start_len
+    for ids in prompts:
+        if start is not None and start >= len(ids):
+            raise APIError(
+                f"logprob_start_len ({start}) must be less than the prompt's length ({len(ids)} tokens)",
+                param="logprob_start_len",
+            )
+
+
 def make_usage(num_prompt: int, num_completion: int, num_cached: int) -> Usage:
     return Usage(
         prompt_tokens=num_prompt,

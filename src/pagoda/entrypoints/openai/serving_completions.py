@@ -18,11 +18,13 @@ from pagoda.entrypoints.openai.protocol import (
     ParamError,
     new_id,
     now_s,
+    prompt_logprobs_out,
 )
 from pagoda.entrypoints.openai.serving_common import (
     SSE_DONE,
     ServerState,
     StreamResponse,
+    check_logprob_start,
     checked,
     collect,
     error_event,
@@ -40,7 +42,7 @@ from pagoda.outputs import CompletionOutput, Logprob
 class _Choice:
     """Per-choice state of a stream: the echoed prompt still to send, the logprob text offset."""
 
-    echo: str
+    echo: str | None  # None once sent
     offset: int = 0
     num_tokens: int = 0
 
@@ -51,13 +53,19 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         model = state.resolve_model(body.model)
         prompts = body.prompts()
         check_body(state.limits, body, len(prompts))
-        params = body.sampling_params(state.engine.vocab_size, body.max_tokens, body.logprobs)
+        params = body.sampling_params(
+            state.engine.vocab_size,
+            body.engine_max_tokens(),
+            body.logprobs,
+            body.engine_prompt_logprobs(),
+        )
         state.limits.check_params(params, constraint_field(body))
     except (ParamError, LimitError) as exc:
         raise param_error(exc) from None
     prompt_ids = [state.tokenize(p) for p in prompts]
     for ids in prompt_ids:
         state.check_length(len(ids), params)
+    check_logprob_start(params, prompt_ids)
     echoes = [(p if isinstance(p, str) else state.decode(p)) if body.echo else "" for p in prompts]
     base_id = new_id("cmpl")
     request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
@@ -66,8 +74,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     )
     index_of = {rid: i for i, rid in enumerate(request_ids)}
     if body.stream:
-        num_prompt = sum(map(len, prompt_ids))
-        events = _stream(state, body, stream, model, base_id, index_of, echoes, num_prompt)
+        events = _stream(state, body, stream, model, base_id, index_of, echoes, prompt_ids)
         return StreamResponse(events, stream)
     try:
         result = await unless_disconnected(raw, collect(stream))
@@ -81,10 +88,18 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         p = index_of[out.request_id]
         num_cached += out.num_cached_tokens
         for c in out.outputs:
+            if body.echo_only:
+                c = CompletionOutput(c.index, "", [], [], "length", None)
             num_completion += len(c.token_ids)
             logprobs = None
             if body.logprobs is not None:
-                logprobs, _ = _logprobs(state, c, body.logprobs, 0)
+                logprobs = CompletionLogprobs()
+                offset = 0
+                if body.echo:
+                    offset = _add_logprobs(
+                        state, logprobs, prompt_ids[p], out.prompt_logprobs, body.logprobs, 0
+                    )
+                _add_logprobs(state, logprobs, c.token_ids, c.logprobs, body.logprobs, offset)
             choices.append(
                 CompletionChoice(
                     index=p * params.n + c.index,
@@ -92,6 +107,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs),
                 )
             )
     choices.sort(key=lambda c: c.index)
@@ -107,8 +123,9 @@ async def _stream(
     base_id: str,
     index_of: dict[str, int],
     echoes: list[str],
-    num_prompt: int,
+    prompt_ids: list[list[int]],
 ) -> AsyncIterator[str]:
+    num_prompt = sum(map(len, prompt_ids))
     n = body.n
     created = now_s()
     opts = body.stream_options
@@ -116,19 +133,34 @@ async def _stream(
     continuous = include_usage and opts is not None and opts.continuous_usage_stats
     choices = {p * n + i: _Choice(echoes[p]) for p in range(len(echoes)) for i in range(n)}
     cached: dict[str, int] = {}  # request id -> prompt tokens served by the prefix cache
+    # The prompt's logprobs come with its first output; every sample's echo needs them.
+    prompt_lps: dict[int, list] = {}
     try:
         async for out in checked(stream):
             cached[out.request_id] = out.num_cached_tokens
+            p = index_of[out.request_id]
+            if out.prompt_logprobs is not None:
+                prompt_lps[p] = out.prompt_logprobs
             for c in out.outputs:
-                index = index_of[out.request_id] * n + c.index
+                if body.echo_only:  # the one token the engine made is not part of the answer
+                    c = CompletionOutput(c.index, "", [], [], c.finish_reason and "length", None)
+                index = p * n + c.index
                 state_c = choices[index]
                 state_c.num_tokens += len(c.token_ids)
-                text, state_c.echo = state_c.echo + c.text, ""
+                echo = state_c.echo is not None
+                text, state_c.echo = (state_c.echo or "") + c.text, None
                 if not (text or c.token_ids or c.finish_reason):
                     continue
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs, state_c.offset = _logprobs(state, c, body.logprobs, state_c.offset)
+                    logprobs = CompletionLogprobs()
+                    if echo and body.echo:
+                        state_c.offset = _add_logprobs(
+                            state, logprobs, prompt_ids[p], prompt_lps.get(p), body.logprobs, 0
+                        )
+                    state_c.offset = _add_logprobs(
+                        state, logprobs, c.token_ids, c.logprobs, body.logprobs, state_c.offset
+                    )
                 chunk = CompletionResponse(
                     id=base_id,
                     created=created,
@@ -157,19 +189,29 @@ async def _stream(
     yield SSE_DONE
 
 
-def _logprobs(
-    state: ServerState, c: CompletionOutput, num: int, offset: int
-) -> tuple[CompletionLogprobs, int]:
-    """OpenAI's legacy logprobs for the tokens of `c`, text offsets starting at `offset`."""
-    result = CompletionLogprobs()
-    entries: list[dict[int, Logprob]] = c.logprobs or []
-    for token_id, entry in zip(c.token_ids, entries, strict=False):
+def _add_logprobs(
+    state: ServerState,
+    result: CompletionLogprobs,
+    token_ids: list[int],
+    entries: list[dict[int, Logprob] | None] | None,
+    num: int,
+    offset: int,
+) -> int:
+    """Append OpenAI's legacy logprobs of `token_ids` (`entries[i]` for token i; None where it has
+    none, as the first prompt token) to `result`, text offsets from `offset`; returns the next offset."""
+    entries = entries or []
+    for i, token_id in enumerate(token_ids):
+        entry = entries[i] if i < len(entries) else None
         text = state.token_text(token_id)
         result.tokens.append(text)
+        result.text_offset.append(offset)
+        offset += len(text)
+        if entry is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
         result.token_logprobs.append(entry[token_id].logprob)
         top = {state.token_text(t): lp.logprob for t, lp in top_entries(entry, num)}
         top.setdefault(text, entry[token_id].logprob)
         result.top_logprobs.append(top)
-        result.text_offset.append(offset)
-        offset += len(text)
-    return result, offset
+    return offset
