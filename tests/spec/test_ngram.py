@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagoda.spec import ngram_propose
 
 
@@ -23,3 +25,31 @@ def test_no_match_or_too_short():
     assert ngram_propose([7, 7, 7], 0, 1, 3) == []
     # min_n = 3: the repeated pair [8, 9] is not enough
     assert ngram_propose([8, 9, 1, 8, 9], 2, 3, 3) == []
+
+
+@pytest.mark.slow
+def test_bench_offline_spec_workload(tiny_llama_dir, capsys):
+    from pagoda.entrypoints.cli import main
+
+    code = main(
+        [
+            "bench",
+            "offline",
+            "--model",
+            tiny_llama_dir,
+            "--workload",
+            "spec",
+            "--dtype",
+            "float32",
+            "--output-len",
+            "24",
+            "--input-len",
+            "12",
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}',
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "outputs identical: True" in out
+    assert "acceptance rate:" in out and "mean accepted length:" in out and "saved)" in out
