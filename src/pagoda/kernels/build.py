@@ -304,6 +304,19 @@ def ops():
     return namespace
 
 
+_op_cache: dict[tuple[object, str], object] = {}  # (loaded namespace, op name) -> OpOverload
+
+
+def op(name: str):
+    """Op `name` of the variant in use, as its OpOverload (looked up once per variant: the decode
+    path calls a few hundred ops per step). RuntimeError if no variant is in use."""
+    key = (_active or ops(), name)  # loaded namespaces live as long as the process (`_loaded`)
+    overload = _op_cache.get(key)
+    if overload is None:
+        overload = _op_cache[key] = getattr(key[0], name).default
+    return overload
+
+
 @contextlib.contextmanager
 def use_variant(variant: str | None) -> Iterator[None]:
     """Run every kernel call inside the block on `variant` (built if needed), or with None on

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels.build import available, ops, status
+from pagoda.kernels.build import op as kernel_op
 
 PANEL = 16  # output columns per panel
 _PLAIN, _SWIGLU = 0, 1
@@ -94,7 +95,7 @@ def linear(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None 
     if x.requires_grad and torch.is_grad_enabled():
         raise ValueError("packed linear does not support autograd; call it under torch.no_grad()")
     out_fp32 = out_dtype is torch.float32
-    op = ops().packed_linear.default
+    op = kernel_op("packed_linear")
     if x.dim() == 2:
         return op(x, packed.data, packed.out_features, packed.bias, packed.epilogue, out_fp32)
     flat = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])

@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.kernels.build import available, ops
+from pagoda.kernels.build import available
+from pagoda.kernels.build import op as _op
 
 _BF16 = torch.bfloat16
-
-
-def _op(name: str):
-    """The op of the variant in use (these run a few hundred times per decode step; torch caches
-    the lookups)."""
-    return getattr(ops(), name).default
 
 
 def applies(*tensors: torch.Tensor) -> bool:

@@ -8,18 +8,25 @@ dense float, a GGUF file's tensors, or quantized at load). After loading,
 a `QuantLinear`; a dense bf16 CPU weight is repacked for the native kernel
 (`pagoda.kernels.cpu_gemm`) where it runs. Either then replaces the `weight` and `bias` parameters
 as the layer's `packed` weight.
+
+Tensor parallelism (the shard hook): a layer may hold only part of a checkpoint tensor, given as
+`source_rows` (per shard id, the rows it takes) or `source_cols`; its loader cuts that part out
+(`pagoda.layers.sharding.narrow`, which reads only those bytes of a safetensors file). The
+column- and row-parallel layers built on these are in `pagoda.layers.parallel`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.distributed import SINGLE, ParallelGroup, even_split
 from pagoda.kernels import cpu_gemm
 from pagoda.kernels.precision import upcast_to_fp32
+from pagoda.layers.sharding import CheckpointTensor, materialize, narrow
 from pagoda.quant.linear import QuantLinear
 from pagoda.quant.methods import current_weight_format, is_placeholder, load_rows
 from pagoda.quant.tensor import GGMLTensor
@@ -27,9 +34,10 @@ from pagoda.quant.tensor import GGMLTensor
 ShardId = str | int
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+def default_weight_loader(param: nn.Parameter, loaded: CheckpointTensor) -> None:
     """Copy a whole checkpoint tensor into `param` (casting dtype and device); a weight in a
     GGUF placeholder keeps it as it is."""
+    loaded = materialize(loaded)
     if is_placeholder(param):
         load_rows(param, loaded, 0, param.logical_shape[0], "parameter")
         return
@@ -102,21 +110,42 @@ class LinearBase(nn.Module):
 
 
 class Linear(LinearBase):
-    """`y = x W^T + b` with plain (unfused) parameters."""
+    """`y = x W^T + b` with plain (unfused) parameters.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+    `source_cols = (start, in_features)`: the weight is that column range of the checkpoint's
+    (a row-parallel shard); the bias is whole."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        source_cols: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.weight = weight_parameter(out_features, in_features, dtype)
         self.bias = new_parameter(out_features, dtype=dtype) if bias else None
+        if source_cols is not None:
+            if source_cols[1] != in_features:
+                raise ValueError(f"source_cols {source_cols} must take in_features={in_features} columns")
+            self.source_cols = source_cols
+            self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
+        start, length = self.source_cols
+        default_weight_loader(param, narrow(loaded, 1, start, length, "columns"))
 
 
 class PackedLinear(LinearBase):
     """Several projections of the same input stacked along the output dimension.
 
     `shards` lists `(shard_id, out_features)` in output order; the checkpoint tensor for shard
-    `shard_id` fills rows `offset:offset + out_features` of the weight (and bias).
+    `shard_id` fills rows `offset:offset + out_features` of the weight (and bias). With
+    `source_rows[shard_id] = (start, out_features)` it fills them from that row range of the
+    checkpoint tensor (a column-parallel shard); without, from the whole tensor.
     """
 
     def __init__(
@@ -125,6 +154,7 @@ class PackedLinear(LinearBase):
         shards: Sequence[tuple[ShardId, int]],
         bias: bool,
         dtype: torch.dtype,
+        source_rows: Mapping[ShardId, tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
         if not shards:
@@ -139,6 +169,10 @@ class PackedLinear(LinearBase):
             offset += size
         self.out_features = offset
         self.output_sizes = [size for _, size in shards]
+        self.source_rows = dict(source_rows or {})
+        for shard_id, (_, length) in self.source_rows.items():
+            if shard_id not in self.shard_slices or self.shard_slices[shard_id][1] != length:
+                raise ValueError(f"source rows of shard {shard_id!r} must match its output size")
         self.weight = self._sharded(weight_parameter(offset, in_features, dtype))
         self.bias = (
             self._sharded(nn.Parameter(torch.empty(offset, dtype=dtype), requires_grad=False))
@@ -151,11 +185,14 @@ class PackedLinear(LinearBase):
         param.shard_ids = tuple(self.shard_slices)
         return param
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: ShardId) -> None:
         if shard_id not in self.shard_slices:
             raise ValueError(f"unknown shard {shard_id!r}; expected one of {list(self.shard_slices)}")
         offset, size = self.shard_slices[shard_id]
-        load_rows(param, loaded, offset, size, f"shard {shard_id!r}")
+        what = f"shard {shard_id!r}"
+        source = self.source_rows.get(shard_id)
+        loaded = materialize(loaded) if source is None else narrow(loaded, 0, *source, what)
+        load_rows(param, loaded, offset, size, what)
 
 
 class GateUpLinear(PackedLinear):
@@ -164,9 +201,19 @@ class GateUpLinear(PackedLinear):
 
     _swiglu = True
 
-    def __init__(self, in_features: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
-        super().__init__(in_features, [(0, intermediate_size), (1, intermediate_size)], bias, dtype)
-        self.intermediate_size = intermediate_size
+    def __init__(
+        self,
+        in_features: int,
+        intermediate_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tp: ParallelGroup = SINGLE,
+    ) -> None:
+        """Column-parallel over `tp`: each rank holds its part of the gate and of the up rows."""
+        start, local = even_split(intermediate_size, tp.rank, tp.size, "intermediate_size")
+        rows = {0: (start, local), 1: (start, local)} if tp.size > 1 else None
+        super().__init__(in_features, [(0, local), (1, local)], bias, dtype, source_rows=rows)
+        self.intermediate_size = local
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`silu(x G^T + b_g) * (x U^T + b_u)`, `[..., intermediate_size]`."""

@@ -11,8 +11,10 @@ from torch import nn
 
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.distributed import SINGLE, ParallelGroup, kv_head_shard
 from pagoda.layers.attention import Attention
 from pagoda.layers.linear import ShardId
+from pagoda.layers.sharding import CheckpointTensor
 from pagoda.models.config import ModelArchConfig
 
 
@@ -21,16 +23,25 @@ class CausalLM(nn.Module, ABC):
 
     Parameter names mirror the HF checkpoint, except that the projections listed in
     `packed_modules_mapping` are packed: checkpoint module `q_proj` maps to `(qkv_proj, "q")`.
+
+    Under tensor parallelism (`tp` of size > 1) every rank builds the same model holding only its
+    shard of each split weight, and its KV cache holds only its KV heads (for the same block ids
+    on every rank); the forward runs on all ranks together and the logits come out on rank 0.
     """
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, ShardId]]] = {}
     # Checkpoint tensors that carry no parameters (e.g. cached rotary frequencies in old checkpoints).
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
 
-    def __init__(self, config: ModelArchConfig, attn_backend: type[AttentionBackend]) -> None:
+    def __init__(
+        self, config: ModelArchConfig, attn_backend: type[AttentionBackend], tp: ParallelGroup = SINGLE
+    ) -> None:
         super().__init__()
+        config.check_tensor_parallel(tp.size)
         self.config = config
         self.attn_backend = attn_backend
+        self.tp = tp
+        self.num_local_kv_heads = kv_head_shard(config.num_kv_heads, tp.rank, tp.size)[1]
 
     @abstractmethod
     def forward(
@@ -39,8 +50,9 @@ class CausalLM(nn.Module, ABC):
         """`input_ids`, `positions`: `[T]` int64 → final hidden states `[T, hidden_size]`."""
 
     @abstractmethod
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[N, hidden_size]` (only the rows that need logits) → `[N, vocab_size]` float32."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """`[N, hidden_size]` (only the rows that need logits) → `[N, vocab_size]` float32; under
+        tensor parallelism every rank calls it and rank 0 gets the logits (the others None)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -54,9 +66,9 @@ class CausalLM(nn.Module, ABC):
         return [module for module in self.modules() if isinstance(module, Attention)]
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache tensor under this model's attention backend."""
+        """Shape of one layer's KV cache tensor (this rank's KV heads) under the attention backend."""
         return self.attn_backend.kv_cache_shape(
-            num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim
+            num_blocks, block_size, self.num_local_kv_heads, self.config.head_dim
         )
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
@@ -65,7 +77,7 @@ class CausalLM(nn.Module, ABC):
             self.attn_backend.allocate_kv_cache(
                 num_blocks,
                 block_size,
-                self.config.num_kv_heads,
+                self.num_local_kv_heads,
                 self.config.head_dim,
                 self.dtype,
                 self.device,
@@ -85,8 +97,9 @@ class CausalLM(nn.Module, ABC):
                 )
             layer.kv_cache = cache
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load checkpoint tensors by name; raises ValueError on unknown, missing or misshapen ones."""
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Load checkpoint tensors by name; raises ValueError on unknown, missing or misshapen ones.
+        Each parameter's loader takes its own shard of a split tensor."""
         params = dict(self.named_parameters())
         expected = {
             (name, shard) for name, param in params.items() for shard in getattr(param, "shard_ids", (None,))

@@ -58,6 +58,26 @@ class ModelArchConfig:
         if bad:
             raise ValueError(f"sliding windows must be positive integers or None, got {bad[0]!r}")
 
+    def check_tensor_parallel(self, size: int) -> None:
+        """ValueError unless this shape splits over `size` ranks: attention heads and the MLP's
+        intermediate size evenly, KV heads evenly or (fewer KV heads than ranks) replicated."""
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        problems = []
+        if self.num_heads % size:
+            problems.append(f"num_attention_heads ({self.num_heads})")
+        if self.num_kv_heads % size and size % self.num_kv_heads:
+            problems.append(f"num_key_value_heads ({self.num_kv_heads}; or the size a multiple of it)")
+        if self.intermediate_size % size:
+            problems.append(f"intermediate_size ({self.intermediate_size})")
+        if self.vocab_size < size:
+            problems.append(f"vocab_size ({self.vocab_size}; at least the size)")
+        if problems:
+            raise ValueError(
+                f"{self.architecture} cannot be split over tensor_parallel_size={size}: "
+                f"{', '.join(problems)} must be divisible by it"
+            )
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim

@@ -2,6 +2,8 @@
 
 Family differences are config flags (`ModelArchConfig`): q/k/v and o biases, MLP bias,
 per-head q/k RMSNorm (Qwen3), per-layer sliding windows, tied embeddings, rope scaling.
+Tensor parallelism is in the layers, which take the group `tp`: the model code below sees only
+this rank's heads and intermediate features.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from torch import nn
 
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.distributed import SINGLE, ParallelGroup
 from pagoda.layers.attention import Attention
 from pagoda.layers.embedding import LMHead, VocabEmbedding
-from pagoda.layers.linear import GateUpLinear, Linear, PackedLinear, ShardId
+from pagoda.layers.linear import GateUpLinear, ShardId
 from pagoda.layers.norm import RMSNorm
+from pagoda.layers.parallel import QKVParallelLinear, RowParallelLinear
 from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
 from pagoda.models.base import CausalLM
 from pagoda.models.config import ModelArchConfig
@@ -29,20 +33,30 @@ class DecoderAttention(nn.Module):
         layer_index: int,
         attn_backend: type[AttentionBackend],
         dtype: torch.dtype,
+        tp: ParallelGroup = SINGLE,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
-        self.qkv_proj = PackedLinear(
+        self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
-            [("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)],
+            config.num_heads,
+            config.num_kv_heads,
+            self.head_dim,
             bias=config.qkv_bias,
             dtype=dtype,
+            tp=tp,
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(
+            config.q_size,
+            config.hidden_size,
+            config.o_proj_bias,
+            dtype,
+            tp,
+            what="num_attention_heads * head_dim",
+        )
         self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -86,11 +100,13 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: ModelArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelArchConfig, dtype: torch.dtype, tp: ParallelGroup = SINGLE) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = GateUpLinear(config.hidden_size, size, config.mlp_bias, dtype)
-        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias, dtype=dtype)
+        self.gate_up_proj = GateUpLinear(config.hidden_size, size, config.mlp_bias, dtype, tp)
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, config.mlp_bias, dtype, tp, what="intermediate_size"
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(hidden))
@@ -103,10 +119,11 @@ class DecoderLayer(nn.Module):
         layer_index: int,
         attn_backend: type[AttentionBackend],
         dtype: torch.dtype,
+        tp: ParallelGroup = SINGLE,
     ) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, layer_index, attn_backend, dtype)
-        self.mlp = DecoderMLP(config, dtype)
+        self.self_attn = DecoderAttention(config, layer_index, attn_backend, dtype, tp)
+        self.mlp = DecoderMLP(config, dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -131,13 +148,17 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(
-        self, config: ModelArchConfig, attn_backend: type[AttentionBackend], dtype: torch.dtype
+        self,
+        config: ModelArchConfig,
+        attn_backend: type[AttentionBackend],
+        dtype: torch.dtype,
+        tp: ParallelGroup = SINGLE,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, index, attn_backend, dtype) for index in range(config.num_layers)
+            DecoderLayer(config, index, attn_backend, dtype, tp) for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -163,15 +184,20 @@ class DecoderForCausalLM(CausalLM):
     }
 
     def __init__(
-        self, config: ModelArchConfig, attn_backend: type[AttentionBackend], dtype: torch.dtype
+        self,
+        config: ModelArchConfig,
+        attn_backend: type[AttentionBackend],
+        dtype: torch.dtype,
+        tp: ParallelGroup = SINGLE,
     ) -> None:
-        super().__init__(config, attn_backend)
-        self.model = DecoderModel(config, attn_backend, dtype)
+        super().__init__(config, attn_backend, tp)
+        self.model = DecoderModel(config, attn_backend, dtype, tp)
         self.lm_head = LMHead(
             config.vocab_size,
             config.hidden_size,
             dtype,
             tied_weight=self.model.embed_tokens.weight if config.tie_word_embeddings else None,
+            tp=tp,
         )
 
     def process_weights_after_loading(self) -> None:
@@ -184,5 +210,5 @@ class DecoderForCausalLM(CausalLM):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)

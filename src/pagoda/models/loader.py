@@ -14,6 +14,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagoda.attention.backend import get_attention_backend
+from pagoda.distributed import SINGLE, ParallelGroup
+from pagoda.layers.sharding import LazyTensor
 from pagoda.models.base import CausalLM
 from pagoda.models.gguf import iter_gguf_checkpoint, parse_gguf_config
 from pagoda.models.hf_config import parse_hf_config, read_hf_config
@@ -32,9 +34,11 @@ def load_model(
     device: torch.device | str = "cpu",
     attention_backend: str = "torch",
     quantization: str | None = None,
+    tp: ParallelGroup = SINGLE,
 ) -> CausalLM:
     """Instantiate the architecture named in `config.json` and load its safetensors weights
-    (quantized to `quantization` at load if given), or those of a `.gguf` file."""
+    (quantized to `quantization` at load if given), or those of a `.gguf` file. Under tensor
+    parallelism (`tp`, on every rank) each rank loads only its shard of the split weights."""
     if dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(map(str, _SUPPORTED_DTYPES))}")
     backend = get_attention_backend(attention_backend)
@@ -55,7 +59,7 @@ def load_model(
         fmt = WeightFormat() if quantization is None else load_time_format(quantization)
         source = "safetensors" if quantization is None else f"safetensors quantized to {quantization} at load"
     with torch.device(device), use_weight_format(fmt):
-        model = family.model_cls(config, backend, dtype)
+        model = family.model_cls(config, backend, dtype, tp)
     model.load_weights(weights)
     model.process_weights_after_loading()
     # e.g. "GGUF MOSTLY_Q4_K_M: Q4_K 71%, Q6_K 17%, ...; 380.2 MiB of weights"
@@ -83,11 +87,13 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     raise ValueError(f"no {_SINGLE_FILE} or {_INDEX_FILE} in model directory {str(root)!r}")
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, LazyTensor]]:
+    """Each tensor as a `LazyTensor`, read by the parameter's loader (only its shard of it);
+    valid until the next one is drawn."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                    yield name, f.get_tensor(name)
+                    yield name, LazyTensor(f.get_slice(name))
         except SafetensorError as err:
             raise ValueError(f"cannot read safetensors file {str(path)!r}: {err}") from None
