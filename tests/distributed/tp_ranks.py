@@ -8,7 +8,7 @@ import torch
 
 from conftest import PagedKVHarness
 from pagoda.distributed import ParallelGroup
-from pagoda.kernels import cpu_gemm
+from pagoda.kernels import cpu_gemm, cpu_quant
 from pagoda.layers.linear import LinearBase
 from pagoda.models import load_model
 from pagoda.models.weight_report import weight_report
@@ -68,7 +68,8 @@ def greedy_scenario(
     packed = [m.packed for m in model.modules() if isinstance(m, LinearBase)]
     result["bf16_kernel"] = any(isinstance(p, cpu_gemm.PackedWeight) for p in packed)
     result["integer_kernel"] = any(
-        isinstance(p, QuantLinear) and any(k is not None for k in p.packed) for p in packed
+        isinstance(p, QuantLinear) and any(isinstance(k, cpu_quant.PackedQuant) for k in p.parts)
+        for p in packed
     )
     return result
 

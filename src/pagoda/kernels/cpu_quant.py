@@ -1,104 +1,138 @@
-"""Integer GEMM for Q8_0, Q4_0, Q5_0, Q4_K and Q6_K weights on few rows (decode), in the CPU kernel
-variants.
+"""Integer GEMM for GGML block weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) in the CPU
+kernel variants.
 
-`pack(qtype, rows, K)` repacks Q8_0 / Q4_0 GGUF rows once (values and fp16 scales in two arrays,
-the same bytes; Q5_0, Q4_K and Q6_K are read as the file's blocks); `linear(x, packed)` quantizes x to
-8 bits per block of 32 (as llama.cpp does) and sums
-exact integer block dot products (`csrc/quant_gemm.cpp`: vpdpbusd with AVX512-VNNI / AVX-VNNI,
-vpmaddubsw otherwise). The result differs from the float product of the dequantized weight by
-the rounding of x to 8 bits (at most half a step of each block's scale per value).
+`pack(qtype, rows, K)` repacks GGUF rows once into the kernels' tiled layout
+(`csrc/quant_layout.h`: 16 output rows interleaved per 32-value block, the scales apart; the
+file's bytes, Q4_K / Q5_K's 6-bit scales widened to bytes); `linear(x, [packed, ...])`
+quantizes x to 8 bits per block of 32 (as llama.cpp does) and sums exact integer block dot
+products, 16 output rows per instruction (`csrc/quant_gemm.cpp`: vpdpbusd with AVX512-VNNI /
+AVX-VNNI, vpmaddubsw otherwise), then adds the bias or applies SwiGLU in the same call. The
+result differs from the float product of the dequantized weight by the rounding of x to 8 bits
+(at most half a step of each block's scale per value). `raw_rows` gives rows back as the file
+stores them, for the reference dequantizer.
 
 Where the kernels do not run (`pagoda.kernels.build.available()` is False) callers keep the
 PyTorch reference (dequantize, then `F.linear`).
+
+Benchmark: `python -m pagoda.quant.kernel_bench` (against the bf16 kernel, per row count).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pagoda.kernels.build import available, ops
 
-# GGML type ids the kernels take.
-Q8_0, Q4_0, Q5_0, Q4_K, Q6_K = 8, 2, 6, 12, 14
-SUPPORTED = (Q8_0, Q4_0, Q5_0, Q4_K, Q6_K)
-REPACKED = (Q8_0, Q4_0)  # the others are read as GGUF stores them
-BLOCK = 32
+# GGML type ids the kernels take, and values per scale group (a row must hold whole groups).
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+GROUP_VALUES = {Q8_0: 32, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
+SUPPORTED = tuple(GROUP_VALUES)
+TILE_ROWS = 16
 
 
 @dataclass(frozen=True)
 class PackedQuant:
+    """A `[rows, cols]` weight of GGML type `qtype` in the tiled layout: `values` and `scales` are
+    uint8 `[tiles, ...]`. With `swiglu` the weight is `[gate; up]` and its tiles come in (gate,
+    up) pairs."""
+
     qtype: int
-    values: torch.Tensor  # [N, K] int8 values (Q8_0), [N, K / 2] nibbles (Q4_0), or the raw rows
-    scales: torch.Tensor  # [N, K / 32] fp16 bits (int16); empty for raw rows
+    values: torch.Tensor
+    scales: torch.Tensor
     rows: int
     cols: int
-
-    @property
-    def raw(self) -> bool:
-        """The rows as GGUF stores them (the caller keeps them for dequantizing)."""
-        return self.qtype not in REPACKED
+    swiglu: bool = False
 
     @property
     def nbytes(self) -> int:
-        return self.values.numel() + 2 * self.scales.numel()
+        return self.values.numel() + self.scales.numel()
 
 
 def supports(qtype: int, cols: int) -> bool:
     """Whether a kernel multiplies `qtype` rows of `cols` values here."""
-    block = 256 if int(qtype) in (Q4_K, Q6_K) else BLOCK
-    return int(qtype) in SUPPORTED and cols % block == 0 and available()
+    group = GROUP_VALUES.get(int(qtype))
+    return group is not None and cols % group == 0 and available()
 
 
-def pack(qtype: int, raw: torch.Tensor, cols: int) -> PackedQuant:
-    """GGUF rows `raw: uint8 [N, row_bytes]` of `qtype` → the kernel's layout."""
+def pack(qtype: int, raw: torch.Tensor, cols: int, swiglu: bool = False) -> PackedQuant:
+    """GGUF rows `raw: uint8 [N, row_bytes]` of `qtype` → the kernels' layout (with `swiglu`,
+    raw is `[gate; up]`)."""
     qtype = int(qtype)
-    if qtype not in SUPPORTED:
+    if qtype not in GROUP_VALUES:
         raise ValueError(f"no integer kernel for GGML type {qtype}")
-    if qtype not in REPACKED:
-        return PackedQuant(qtype, raw.contiguous(), torch.empty(0, dtype=torch.int16), raw.shape[0], cols)
-    values, scales = ops().quant_pack(raw.contiguous(), qtype, cols)
-    return PackedQuant(qtype, values, scales, raw.shape[0], cols)
+    values, scales = ops().quant_pack(raw.contiguous(), qtype, cols, swiglu)
+    return PackedQuant(qtype, values, scales, raw.shape[0], cols, swiglu)
+
+
+def linear(
+    x: torch.Tensor,
+    segments: Sequence[PackedQuant],
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`x [M, K] @ W.T (+ bias)` where W stacks `segments` along its rows (or `silu(gate) * up`
+    for one `swiglu` segment); `bias` is float32 over all rows. The result is in x's dtype
+    (float32 or bfloat16), or float32 with `out_dtype=torch.float32`."""
+    swiglu = segments[0].swiglu
+    if swiglu and len(segments) > 1:
+        raise ValueError("a SwiGLU weight is a single segment")
+    return ops().quant_linear(
+        x,
+        [s.values for s in segments],
+        [s.scales for s in segments],
+        [s.qtype for s in segments],
+        [s.rows for s in segments],
+        bias,
+        swiglu,
+        out_dtype is torch.float32,
+    )
+
+
+def raw_rows(packed: PackedQuant, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` (1-D, of the original weight) as GGUF stores them: uint8 `[len, row_bytes]`."""
+    return ops().quant_unpack(
+        packed.values, packed.scales, packed.qtype, packed.cols, packed.rows, packed.swiglu, index
+    )
+
+
+def quantizes(qtype: int) -> bool:
+    """Whether `quantize_k` quantizes `qtype` here (Q4_K, Q5_K, Q6_K where the kernels run)."""
+    return int(qtype) in (Q4_K, Q5_K, Q6_K) and available()
+
+
+def quantize_k(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """float32 super-blocks `[n, 256]` → Q4_K / Q5_K / Q6_K blocks `[n, block_bytes]` (uint8), the
+    bytes of `pagoda.quant.quantize`'s PyTorch quantizer (`csrc/quant_kquant.cpp`)."""
+    return ops().quant_quantize_k(blocks, int(qtype))
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`x: [M, K]` (float32 or bfloat16) → (int8 values, float32 block scales, int32 block sums)."""
+    """`x: [M, K]` (float32 or bfloat16) → (int8 values, float32 block scales, int32 block sums):
+    the 8-bit activations `linear` multiplies (tests compare against them)."""
     return ops().quant_act_q8(x.contiguous())
 
 
-def linear(x: torch.Tensor, packed: PackedQuant, quantized=None) -> torch.Tensor:
-    """float32 `[M, N] = x [M, K] @ W.T`; pass `quantized` (from `quantize_activations(x)`) to
-    reuse one quantization of x across several weights."""
-    xq, xd, xs = quantized if quantized is not None else quantize_activations(x)
-    return ops().quant_linear(xq, xd, xs, packed.values, packed.scales, packed.qtype)
-
-
-def _dequantize(qtype: int, values: torch.Tensor, scales: torch.Tensor, cols: int) -> torch.Tensor:
-    rows = values.shape[0]
-    d = scales.view(torch.float16).float().reshape(rows, -1, 1)
-    if qtype == Q8_0:
-        q = values.view(torch.int8).float().reshape(rows, -1, BLOCK)
-    else:
-        v = values.reshape(rows, -1, BLOCK // 2)
-        q = torch.cat((v & 0x0F, v >> 4), dim=-1).float() - 8
-    return (q * d).reshape(rows, cols)
-
-
-def dequantize(packed: PackedQuant) -> torch.Tensor:
-    """float32 `[N, K]` of a repacked (Q8_0 / Q4_0) weight: the values its blocks decode to."""
-    if packed.raw:
-        raise ValueError("raw rows are dequantized by their GGML type, not here")
-    return _dequantize(packed.qtype, packed.values, packed.scales, packed.cols)
-
-
-def dequantize_rows(packed: PackedQuant, rows: torch.Tensor) -> torch.Tensor:
-    """float32 rows `rows` (1-D) of a repacked weight (an embedding lookup from a tied head)."""
-    if packed.raw:
-        raise ValueError("raw rows are dequantized by their GGML type, not here")
-    return _dequantize(packed.qtype, packed.values[rows], packed.scales[rows], packed.cols)
-
-
 def dot_kind() -> str:
-    """Which integer dot product the kernels use on this CPU (avx512_vnni, avx_vnni or avx2_maddubs)."""
+    """Which integer dot product the kernels use on this CPU (avx512_vnni, avx512_maddubs,
+    avx_vnni or avx2_maddubs)."""
     return ops().quant_dot_kind()
+
+
+def dot_kinds() -> list[str]:
+    """Every integer dot product the kernel variant in use can run on this CPU, fastest first."""
+    return list(ops().quant_dot_kinds())
+
+
+@contextlib.contextmanager
+def use_dot(name: str) -> Iterator[None]:
+    """Run the kernels on dot product `name` inside the block (tests; not thread-safe)."""
+    previous = dot_kind()
+    ops().quant_use_dot(name)
+    try:
+        yield
+    finally:
+        ops().quant_use_dot(previous)

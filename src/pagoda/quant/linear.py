@@ -4,11 +4,16 @@ The weight is a list of row segments, one `GGMLTensor` each: a fused projection 
 in different types (Q4_K_M stores some `attn_v` as Q6_K next to a Q4_K `attn_q`) keeps one
 segment per run of equal types.
 
-Q8_0, Q4_0, Q5_0, Q4_K and Q6_K segments go to the integer kernels (`pagoda.kernels.cpu_quant`;
-Q8_0 and Q4_0 repacked once, the others read as stored) where they run: up to `INTEGER_MAX_ROWS` rows multiply with 8-bit activations and integer dot
-products (one row is bound by memory bandwidth, a batch by arithmetic); more rows take the
-dequantized float32 weight and `F.linear`. Every other type, and every type where the
-kernels do not run, takes the reference: dequantize to float32 and `F.linear`.
+Where the integer kernels run (`pagoda.kernels.cpu_quant`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+Q5_K, Q6_K) every segment is repacked once into their tiled layout, which replaces the file's
+rows (the same bytes, so memory stays the file's size), and every call takes one kernel call per
+layer, whatever its row count: x quantized to 8 bits once for all segments, integer dot
+products, then the bias, SwiGLU (`silu(gate) * up` for a single gate/up segment) and the output
+dtype in the same call. Measured on an AMD EPYC (Zen 4, 1 thread, a 4864 x 896 layer) the
+integer kernel is 3.2-3.6x faster than dequantizing to float32 and multiplying at 2,048 and
+4,096 rows (and faster than pagoda's bf16 kernel at every row count), so no row count takes the
+dequantizing path while a kernel runs. Other types (F16 parts) and everything where the kernels
+do not run take the reference: dequantize to float32 and `F.linear`.
 """
 
 from __future__ import annotations
@@ -21,13 +26,6 @@ import torch.nn.functional as F
 from pagoda.kernels import cpu_quant
 from pagoda.quant.formats import GGMLType
 from pagoda.quant.tensor import GGMLTensor
-
-# Rows up to which the integer kernel beats dequantize + fp32 GEMM. Measured on an AMD EPYC
-# (Zen 4, 2 threads, Q8_0 9728 x 896): 1 row 0.22 against 34.4 ms, 64 rows 7.3 against 38.4 ms,
-# 256 rows 31.1 against 63.5 ms (the dequantization costs ~34 ms a call; the integer kernel
-# ~0.12 ms a row); a 2,048-token prefill of Qwen2.5-0.5B's shape took 14.6 s on the float path
-# against 9.0 s for bf16. So every row count the engine schedules takes the integer kernel.
-INTEGER_MAX_ROWS = 4096
 
 
 def merge_runs(parts: Sequence[GGMLTensor]) -> list[GGMLTensor]:
@@ -60,31 +58,25 @@ class QuantLinear:
         self.swiglu = swiglu
         self.out_features = rows // 2 if swiglu else rows
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.segments = merge_runs(segments)
-        # The kernels' layout replaces a segment's raw rows (the same bytes, no second copy).
-        self.packed: list[cpu_quant.PackedQuant | None] = []
-        for index, seg in enumerate(self.segments):
-            if not cpu_quant.supports(seg.qtype, seg.shape[1]):
-                self.packed.append(None)
-                continue
-            packed = cpu_quant.pack(seg.qtype, seg.data, seg.shape[1])
-            self.packed.append(packed)
-            if not packed.raw:
-                self.segments[index] = GGMLTensor(seg.qtype, seg.data[:0], (0, seg.shape[1]))
-        self.segment_rows = [
-            p.rows if p is not None else seg.shape[0]
-            for seg, p in zip(self.segments, self.packed, strict=True)
-        ]
-
-    @property
-    def qtypes(self) -> list[GGMLType]:
-        return [seg.qtype for seg in self.segments]
+        merged = merge_runs(segments)
+        # Each segment is either repacked for the kernels (its file rows dropped) or kept as is.
+        self.parts: list[GGMLTensor | cpu_quant.PackedQuant] = list(merged)
+        self.qtypes: list[GGMLType] = [seg.qtype for seg in merged]
+        self.segment_rows = [seg.shape[0] for seg in merged]
+        if all(cpu_quant.supports(seg.qtype, self.in_features) for seg in merged):
+            fused_swiglu = swiglu and len(merged) == 1  # tiles in (gate, up) pairs
+            self.parts = [
+                cpu_quant.pack(seg.qtype, seg.data, self.in_features, fused_swiglu) for seg in merged
+            ]
+        self.fused = all(isinstance(p, cpu_quant.PackedQuant) for p in self.parts) and (
+            not swiglu or len(self.parts) == 1
+        )
 
     def values_by_type(self) -> dict[str, int]:
         """Weight values per storage type."""
         counts: dict[str, int] = {}
-        for seg, rows in zip(self.segments, self.segment_rows, strict=True):
-            counts[seg.qtype.name] = counts.get(seg.qtype.name, 0) + rows * self.in_features
+        for qtype, rows in zip(self.qtypes, self.segment_rows, strict=True):
+            counts[qtype.name] = counts.get(qtype.name, 0) + rows * self.in_features
         return counts
 
     def describe(self) -> str:
@@ -92,10 +84,7 @@ class QuantLinear:
 
     @property
     def nbytes(self) -> int:
-        weights = sum(
-            p.nbytes if p is not None else seg.nbytes
-            for seg, p in zip(self.segments, self.packed, strict=True)
-        )
+        weights = sum(p.nbytes for p in self.parts)
         return weights + (0 if self.bias is None else self.bias.numel() * 4)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -104,33 +93,30 @@ class QuantLinear:
             raise ValueError(f"x has {x.shape[-1]} features, the weight expects {self.in_features}")
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
-        integer = flat.shape[0] <= INTEGER_MAX_ROWS
-        quantized = None
+        out_dtype = out_dtype or x.dtype
+        if self.fused:
+            if flat.dtype not in (torch.float32, torch.bfloat16):
+                flat = flat.float()
+            y = cpu_quant.linear(
+                flat, self.parts, self.bias, out_dtype=torch.float32 if out_dtype is torch.float32 else None
+            )
+            return y.to(out_dtype).reshape(*lead, self.out_features)
         outs = []
-        for seg, packed in zip(self.segments, self.packed, strict=True):
-            if packed is None or (packed.raw and not integer):
-                outs.append(flat.float() @ seg.dequantize().t())
-            elif integer:
-                if quantized is None:  # x rounded to 8 bits once for every segment
-                    quantized = cpu_quant.quantize_activations(flat)
-                outs.append(cpu_quant.linear(flat, packed, quantized))
+        for part in self.parts:
+            if isinstance(part, cpu_quant.PackedQuant):
+                outs.append(cpu_quant.linear(flat.float(), [part], out_dtype=torch.float32))
             else:
-                outs.append(flat.float() @ cpu_quant.dequantize(packed).t())
+                outs.append(flat.float() @ _dequantize(part).t())
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.bias is not None:
             y = y + self.bias
         if self.swiglu:
             y = F.silu(y[:, : self.out_features]) * y[:, self.out_features :]
-        return y.to(out_dtype or x.dtype).reshape(*lead, self.out_features)
+        return y.to(out_dtype).reshape(*lead, self.out_features)
 
     def dequantize(self) -> torch.Tensor:
         """The whole weight as float32 `[rows, in_features]` (reference and tests)."""
-        return torch.cat(
-            [
-                cpu_quant.dequantize(p) if p is not None and not p.raw else seg.dequantize()
-                for seg, p in zip(self.segments, self.packed, strict=True)
-            ]
-        )
+        return torch.cat([_dequantize(p) for p in self.parts])
 
     def gather_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Weight rows `index` (any shape) as float32 `[*index.shape, in_features]`: an embedding
@@ -138,13 +124,19 @@ class QuantLinear:
         flat = index.reshape(-1)
         out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
         start = 0
-        for seg, packed, rows in zip(self.segments, self.packed, self.segment_rows, strict=True):
+        for part, rows in zip(self.parts, self.segment_rows, strict=True):
             hit = (flat >= start) & (flat < start + rows)
             if hit.any():
-                local = flat[hit] - start
-                if packed is not None and not packed.raw:
-                    out[hit] = cpu_quant.dequantize_rows(packed, local)
-                else:
-                    out[hit] = seg.take_rows(local).dequantize()
+                out[hit] = _dequantize(part, flat[hit] - start)
             start += rows
         return out.reshape(*index.shape, self.in_features)
+
+
+def _dequantize(part: GGMLTensor | cpu_quant.PackedQuant, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 rows `rows` (1-D; default all) of a segment, by the reference dequantizer."""
+    if isinstance(part, cpu_quant.PackedQuant):
+        index = torch.arange(part.rows) if rows is None else rows
+        part = GGMLTensor(GGMLType(part.qtype), cpu_quant.raw_rows(part, index), (index.numel(), part.cols))
+    elif rows is not None:
+        part = part.take_rows(rows)
+    return part.dequantize()

@@ -1,298 +1,544 @@
-// Integer GEMM over GGML block weights (Q8_0, Q4_0) for few rows of activations (decode):
-// y[M, N] = x[M, K] @ W[N, K]^T, W dequantized from its blocks.
+// Integer GEMM over GGML block weights: y[M, N] = x[M, K] @ W[N, K]^T (+ bias, or SwiGLU), for
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K weights in the tiled layout of
+// quant_layout.h (written once at load by quant_pack.cpp).
 //
 // As llama.cpp does, each activation row is first quantized to 8 bits per block of 32 values
-// (`quant_act_q8`: d = max|x| / 127, q = round(x / d), and the block's sum of q), so that a
-// block's dot product is exact integer arithmetic: 32 int8 x int8 (Q8_0) or uint8 nibble x int8
-// (Q4_0, whose value q - 8 is folded in as `- 8 * sum(x_q)`) products summed into int32, then one
-// float multiply-add by the two scales. With AVX512-VNNI / AVX-VNNI (checked at run time) the
-// products and their sum are one `vpdpbusd`; otherwise `vpmaddubsw` + `vpmaddwd`. For Q8_0's
-// signed x signed product the sign of x moves onto w (`vpsignb`), as vpmaddubsw / vpdpbusd
-// take one unsigned operand.
+// (d = max|x| / 127, q = round(x / d), plus the sums of q per 16 values), so that a block's dot
+// product is exact integer arithmetic. One vpdpbusd (AVX512-VNNI; AVX-VNNI on 256-bit halves;
+// vpmaddubsw + vpmaddwd without VNNI) multiplies 4 broadcast activation bytes with 4 values of
+// each of a tile's 16 rows, summing into 16 int32 lanes: no horizontal sums. A format's offset
+// enters through the activation block sums (the accumulator starts at -offset * sum), its
+// minimum (Q4_1, Q5_1, Q4_K, Q5_K) as an fp32 term, and per block the scales as vectors:
+// acc += cvt(int sum) * (weight scales x activation scale).
 //
-// The weight is repacked at load (`quant_pack`) from GGUF's interleaved 34- / 18-byte blocks
-// into two arrays the kernel streams with aligned 32- / 16-byte loads: the values [N, K] (int8)
-// or [N, K / 2] (nibbles, in GGML's order within each block) and the fp16 scales [N, K / 32].
-// Same bytes as the file, nothing widened.
-//
-// Work is split over output rows (OpenMP through at::parallel_for); every row sums its blocks in
-// order, so results do not depend on the thread count or on how many rows M has.
+// Work: MR activation rows x a pair of tiles (32 output rows) per micro-kernel call, all of K in
+// registers. Few rows (decode) stream every weight byte once, split evenly over the threads;
+// many rows (prefill, batches) are split into (row group whose activations fit in L2) x (chunk
+// of tile pairs) tasks, each pair reused from L1 by every row block of the group. The result of
+// an output never depends on M, the split or the variant (see quant_kernel.h).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "quant_layout.h"
 #include "vec.h"
 
-#include <cmath>
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #pragma GCC target("f16c")  // every AVX2 CPU has F16C (the fp16 scale conversion)
 
 namespace {
 
-constexpr int kBlock = 32;
-constexpr int kQ8_0 = 8;  // GGML type ids
-constexpr int kQ4_0 = 2;
-constexpr int kQ5_0 = 6;
-constexpr int kQ6_K = 14;
-constexpr int kQ4_K = 12;
-constexpr int kMaxRows = 8;  // activation rows sharing one pass over the weight
-constexpr int64_t kRowsPerGroup = 32;  // weight rows kept in cache while all activation tiles pass
+using namespace pagoda_quant;
+using namespace pagoda_vec;
 
-__attribute__((always_inline)) inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-__attribute__((always_inline)) inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-
-// ---- block dot products: 32 weights x 32 activation bytes -> int32 x 8 lanes ------------------
-// The loops (quant_gemm_rows.h) are compiled once per dot product, each under its own target.
 #define PAGODA_INLINE __attribute__((always_inline)) inline
 
-PAGODA_INLINE __m256i load_nibbles(const uint8_t* p) {  // 16 bytes -> 32 values: low nibbles, then high
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+// ---- 64-byte integer vectors --------------------------------------------------------------------
+#if defined(PAGODA_AVX512)
+using IVec = __m512i;
+PAGODA_INLINE IVec iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+PAGODA_INLINE IVec iand(IVec a, IVec b) { return _mm512_and_si512(a, b); }
+PAGODA_INLINE IVec ibyte(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+PAGODA_INLINE IVec ibcast(int32_t v) { return _mm512_set1_epi32(v); }
+template <int S>
+PAGODA_INLINE IVec isrl16(IVec v) {
+  return _mm512_srli_epi16(v, S);
+}
+template <int S>
+PAGODA_INLINE IVec isll16(IVec v) {
+  if constexpr (S == 0) return v;
+  else return _mm512_slli_epi16(v, S);
+}
+PAGODA_INLINE IVec ior_and(IVec a, IVec b, IVec m) { return _mm512_ternarylogic_epi32(a, b, m, 0xF8); }  // a | (b & m)
+PAGODA_INLINE VecF icvt(IVec v) { return _mm512_cvtepi32_ps(v); }
+PAGODA_INLINE VecF load_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+PAGODA_INLINE VecF load_u8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+PAGODA_INLINE VecF load_i8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// 16 integral fp32 values in [-127, 127] -> 16 int8.
+PAGODA_INLINE void store_i8(int8_t* p, VecF v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+}
+constexpr int kTileStep = 2;  // tiles per micro-kernel call
+constexpr int kMaxMR = 6;     // 2 * MR * kTileStep accumulators in 32 registers
+#else
+struct IVec {
+  __m256i lo, hi;  // rows 0..7, 8..15
+};
+PAGODA_INLINE IVec iload(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+PAGODA_INLINE IVec iand(IVec a, IVec b) { return {_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
+PAGODA_INLINE IVec ibyte(int v) {
+  const __m256i b = _mm256_set1_epi8(static_cast<char>(v));
+  return {b, b};
+}
+PAGODA_INLINE IVec ibcast(int32_t v) {
+  const __m256i b = _mm256_set1_epi32(v);
+  return {b, b};
+}
+template <int S>
+PAGODA_INLINE IVec isrl16(IVec v) {
+  return {_mm256_srli_epi16(v.lo, S), _mm256_srli_epi16(v.hi, S)};
+}
+template <int S>
+PAGODA_INLINE IVec isll16(IVec v) {
+  if constexpr (S == 0) return v;
+  else return {_mm256_slli_epi16(v.lo, S), _mm256_slli_epi16(v.hi, S)};
+}
+PAGODA_INLINE IVec ior_and(IVec a, IVec b, IVec m) {
+  return {_mm256_or_si256(a.lo, _mm256_and_si256(b.lo, m.lo)), _mm256_or_si256(a.hi, _mm256_and_si256(b.hi, m.hi))};
+}
+PAGODA_INLINE VecF icvt(IVec v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+PAGODA_INLINE VecF load_f16(const uint8_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+PAGODA_INLINE VecF load_u8(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+}
+PAGODA_INLINE VecF load_i8(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+}
+PAGODA_INLINE void store_i8(int8_t* p, VecF v) {
+  const __m256i w = _mm256_packs_epi32(_mm256_cvtps_epi32(v.lo), _mm256_cvtps_epi32(v.hi));  // lanes interleaved
+  const __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  // b holds values 0-3, 8-11, 4-7, 12-15 (as 32-bit groups): restore the order.
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_shuffle_epi32(b, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+constexpr int kTileStep = 1;
+constexpr int kMaxMR = 3;  // 16 registers: 4 * MR accumulators plus the weights
+#endif
+
+// Up to this many rows per micro-kernel call, software prefetch runs this far ahead of the values.
+constexpr int kPrefetchMaxRows = 2;
+constexpr int kPrefetchBytes = 2048;
+
+PAGODA_INLINE int32_t load32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
-// The 32 bits of a Q5_0 block's qh as 32 bytes of 0 or 16 (byte j: bit j).
-PAGODA_INLINE __m256i high_bits_16(uint32_t bits) {
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(bits)),
-      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
-  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
-}
-
-struct Args {
-  const int8_t* xq;   // [M, K] activation values
-  const float* xd;    // [M, nb] activation scales
-  const int32_t* xs;  // [M, nb] activation block sums
-  const uint8_t* wq;  // [N, row_bytes] weight values
-  const uint16_t* wd; // [N, nb] weight scales (fp16 bits)
-  float* y;           // [M, N]
-  int64_t M, K, N, nb, row_bytes;
+// ---- what the micro-kernels read -----------------------------------------------------------------
+struct Acts {
+  const int8_t* q;     // [M, K] values
+  const float* d;      // [M, nb] scales
+  const float* dsum;   // [M, nb] scale x block sum of q (the minimum terms)
+  const int32_t* s16;  // [M, 2 nb] sums of q per 16 values
+  int64_t K, nb;
 };
 
-using RowsFn = void (*)(const Args&, int64_t, int64_t);
+struct TileArgs {
+  const uint8_t* values;  // the first tile's values; tile t at values + t * value_stride
+  const uint8_t* scales;
+  int64_t value_stride, scale_stride;
+};
 
-namespace madd {  // AVX2: vpmaddubsw + vpmaddwd
+using MicroFn = void (*)(const TileArgs&, const Acts&, int64_t row0, float* out, int64_t ldo);
+using MicroTable = std::array<std::array<MicroFn, kMaxMR>, 8>;
+
+constexpr int type_index(int qtype) {
+  return qtype == kQ8_0 ? 0 : qtype == kQ4_0 ? 1 : qtype == kQ4_1 ? 2 : qtype == kQ5_0 ? 3 : qtype == kQ5_1 ? 4
+       : qtype == kQ4_K ? 5 : qtype == kQ5_K ? 6 : 7;
+}
+
+// ---- the integer dot products, one namespace (and instruction set) each -------------------------
+#if defined(PAGODA_AVX512)
+namespace madd512 {  // AVX512-BW: vpmaddubsw + vpmaddwd
 struct Dot {
-  static PAGODA_INLINE __m256i q8(__m256i w, __m256i x) {
-    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+  static constexpr int kQ8Bias = 0;
+  static PAGODA_INLINE IVec dot(IVec acc, IVec w, IVec x) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
   }
-  static PAGODA_INLINE __m256i u8(__m256i w_unsigned, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w_unsigned, x), _mm256_set1_epi16(1));
+  // Signed Q8_0 values: |w| (as unsigned, so -128 stays exact) times x with w's sign.
+  static PAGODA_INLINE IVec dot_q8(IVec acc, IVec w, IVec x) {
+    const IVec ws = _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
+    const IVec sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(ws), _mm512_setzero_si512(), x);
+    return dot(acc, _mm512_abs_epi8(ws), sx);
   }
 };
-#include "quant_gemm_rows.h"
-void q8(const Args& a, int64_t b, int64_t e) { rows_range<kQ8_0>(a, b, e); }
-void q4(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_0>(a, b, e); }
-void q5(const Args& a, int64_t b, int64_t e) { rows_range<kQ5_0>(a, b, e); }
-void q6k(const Args& a, int64_t b, int64_t e) { rows_range<kQ6_K>(a, b, e); }
-void q4k(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_K>(a, b, e); }
-}  // namespace madd
+constexpr const char* kName = "avx512_maddubs";
+#include "quant_kernel.h"
+}  // namespace madd512
+
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+namespace vnni512 {  // AVX512-VNNI: vpdpbusd
+struct Dot {
+  static constexpr int kQ8Bias = 128;
+  static PAGODA_INLINE IVec dot(IVec acc, IVec w, IVec x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static PAGODA_INLINE IVec dot_q8(IVec acc, IVec w, IVec x) { return _mm512_dpbusd_epi32(acc, w, x); }
+};
+constexpr const char* kName = "avx512_vnni";
+#include "quant_kernel.h"
+}  // namespace vnni512
+#pragma GCC pop_options
+
+#else
+namespace madd256 {  // AVX2: vpmaddubsw + vpmaddwd on two halves
+struct Dot {
+  static constexpr int kQ8Bias = 0;
+  static PAGODA_INLINE __m256i half(__m256i acc, __m256i w, __m256i x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  }
+  static PAGODA_INLINE __m256i half_q8(__m256i acc, __m256i w, __m256i x) {
+    const __m256i ws = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return half(acc, _mm256_abs_epi8(ws), _mm256_sign_epi8(x, ws));
+  }
+  static PAGODA_INLINE IVec dot(IVec acc, IVec w, IVec x) { return {half(acc.lo, w.lo, x.lo), half(acc.hi, w.hi, x.hi)}; }
+  static PAGODA_INLINE IVec dot_q8(IVec acc, IVec w, IVec x) {
+    return {half_q8(acc.lo, w.lo, x.lo), half_q8(acc.hi, w.hi, x.hi)};
+  }
+};
+constexpr const char* kName = "avx2_maddubs";
+#include "quant_kernel.h"
+}  // namespace madd256
 
 #pragma GCC push_options
 #pragma GCC target("avxvnni")
-namespace avxvnni {  // AVX-VNNI: vpdpbusd on 256 bits (VEX)
+namespace vnni256 {  // AVX-VNNI: vpdpbusd (VEX) on two halves
 struct Dot {
-  static PAGODA_INLINE __m256i q8(__m256i w, __m256i x) {
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
+  static constexpr int kQ8Bias = 128;
+  static PAGODA_INLINE IVec dot(IVec acc, IVec w, IVec x) {
+    return {_mm256_dpbusd_avx_epi32(acc.lo, w.lo, x.lo), _mm256_dpbusd_avx_epi32(acc.hi, w.hi, x.hi)};
   }
-  static PAGODA_INLINE __m256i u8(__m256i w_unsigned, __m256i x) {
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w_unsigned, x);
-  }
+  static PAGODA_INLINE IVec dot_q8(IVec acc, IVec w, IVec x) { return dot(acc, w, x); }
 };
-#include "quant_gemm_rows.h"
-void q8(const Args& a, int64_t b, int64_t e) { rows_range<kQ8_0>(a, b, e); }
-void q4(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_0>(a, b, e); }
-void q5(const Args& a, int64_t b, int64_t e) { rows_range<kQ5_0>(a, b, e); }
-void q6k(const Args& a, int64_t b, int64_t e) { rows_range<kQ6_K>(a, b, e); }
-void q4k(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_K>(a, b, e); }
-}  // namespace avxvnni
-#pragma GCC pop_options
-
-#if defined(PAGODA_AVX512)
-#pragma GCC push_options
-#pragma GCC target("avx512vnni,avx512vl")
-namespace vnni512 {  // AVX512-VNNI: vpdpbusd (EVEX, 256-bit form)
-struct Dot {
-  static PAGODA_INLINE __m256i q8(__m256i w, __m256i x) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
-  }
-  static PAGODA_INLINE __m256i u8(__m256i w_unsigned, __m256i x) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_unsigned, x);
-  }
-};
-#include "quant_gemm_rows.h"
-void q8(const Args& a, int64_t b, int64_t e) { rows_range<kQ8_0>(a, b, e); }
-void q4(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_0>(a, b, e); }
-void q5(const Args& a, int64_t b, int64_t e) { rows_range<kQ5_0>(a, b, e); }
-void q6k(const Args& a, int64_t b, int64_t e) { rows_range<kQ6_K>(a, b, e); }
-void q4k(const Args& a, int64_t b, int64_t e) { rows_range<kQ4_K>(a, b, e); }
-}  // namespace vnni512
+constexpr const char* kName = "avx_vnni";
+#include "quant_kernel.h"
+}  // namespace vnni256
 #pragma GCC pop_options
 #endif
 
-enum class DotKind { madd, avx512vnni, avxvnni };
+// ---- which dot product -------------------------------------------------------------------------
+struct DotImpl {
+  const char* name;
+  const MicroTable& (*table)();
+};
 
-DotKind dot_kind() {
-  static const DotKind kind = [] {
+// The dot products this CPU runs in this variant, fastest first.
+std::vector<DotImpl> dot_impls() {
+  std::vector<DotImpl> impls;
 #if defined(PAGODA_AVX512)
-    if (__builtin_cpu_supports("avx512vnni")) return DotKind::avx512vnni;
+  if (__builtin_cpu_supports("avx512vnni")) impls.push_back({vnni512::kName, &vnni512::micro_table});
+  impls.push_back({madd512::kName, &madd512::micro_table});
+#else
+  if (__builtin_cpu_supports("avxvnni")) impls.push_back({vnni256::kName, &vnni256::micro_table});
+  impls.push_back({madd256::kName, &madd256::micro_table});
 #endif
-    if (__builtin_cpu_supports("avxvnni")) return DotKind::avxvnni;
-    return DotKind::madd;
-  }();
-  return kind;
+  return impls;
 }
 
-#define PAGODA_PICK(ns) \
-  (qtype == kQ8_0   ? ns::q8  \
-   : qtype == kQ4_0 ? ns::q4  \
-   : qtype == kQ5_0 ? ns::q5  \
-   : qtype == kQ4_K ? ns::q4k \
-                    : ns::q6k)
+// The one in use: the fastest, unless a test chose another (`quant_use_dot`).
+std::atomic<int> g_dot{0};
 
-RowsFn rows_fn(int qtype) {
-  switch (dot_kind()) {
-#if defined(PAGODA_AVX512)
-    case DotKind::avx512vnni:
-      return PAGODA_PICK(vnni512);
-#endif
-    case DotKind::avxvnni:
-      return PAGODA_PICK(avxvnni);
-    default:
-      return PAGODA_PICK(madd);
-  }
+const DotImpl& current_dot() {
+  static const std::vector<DotImpl> impls = dot_impls();
+  return impls[static_cast<size_t>(g_dot.load(std::memory_order_relaxed))];
 }
-#undef PAGODA_PICK
 
-// ---- ops --------------------------------------------------------------------------------------
+// ---- activations: 8 bits per block of 32 ---------------------------------------------------------
+struct ActBuffers {
+  std::vector<int8_t> q;
+  std::vector<float> d, dsum;
+  std::vector<int32_t> s16;
+};
+
 template <class T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* s) {
+PAGODA_INLINE VecF load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return load(p);
+  } else {
+    return load_bf16(reinterpret_cast<const uint16_t*>(p));
+  }
+}
+
+// Rows of x [M, K] (row stride ldx) -> q, d, dsum, s16. Every lane operation is IEEE and the
+// same on every variant: d = max|x| / 127, q = round-half-even(x * (1 / d)) (0 where d is 0).
+template <class T>
+void quantize_acts(const T* x, int64_t ldx, int64_t M, int64_t K, ActBuffers& a) {
   const int64_t nb = K / kBlock;
-  at::parallel_for(0, M * nb, 64, [&](int64_t begin, int64_t end) {
+  a.q.resize(static_cast<size_t>(M * K));
+  a.d.resize(static_cast<size_t>(M * nb));
+  a.dsum.resize(static_cast<size_t>(M * nb));
+  a.s16.resize(static_cast<size_t>(M * 2 * nb));
+  at::parallel_for(0, M * nb, 512, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const T* src = x + (i / nb) * K + (i % nb) * kBlock;
-      float v[kBlock];
-      float amax = 0.0f;
-      for (int j = 0; j < kBlock; ++j) {
-        v[j] = static_cast<float>(src[j]);
-        amax = std::max(amax, std::fabs(v[j]));
-      }
-      const float scale = amax / 127.0f;
-      const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
-      int32_t sum = 0;
-      int8_t* dst = q + (i / nb) * K + (i % nb) * kBlock;
-      for (int j = 0; j < kBlock; ++j) {
-        const int value = static_cast<int>(std::nearbyint(v[j] * inv));
-        dst[j] = static_cast<int8_t>(value);
-        sum += value;
-      }
-      d[i] = scale;
-      s[i] = sum;
+      const int64_t row = i / nb, b = i % nb;
+      const T* src = x + row * ldx + b * kBlock;
+      const VecF v0 = load16(src), v1 = load16(src + 16);
+      const float amax = reduce_max(max(max(v0, sub(zero(), v0)), max(v1, sub(zero(), v1))));
+      const float d = amax / 127.0f;
+      const VecF inv = set1(d != 0.0f ? 1.0f / d : 0.0f);
+      const VecF r0 = round_nearest(mul(v0, inv)), r1 = round_nearest(mul(v1, inv));
+      int8_t* dst = a.q.data() + row * K + b * kBlock;
+      store_i8(dst, r0);
+      store_i8(dst + 16, r1);
+      // Sums of up to 16 integers of magnitude <= 127: exact in fp32.
+      const int32_t s0 = static_cast<int32_t>(reduce_add(r0)), s1 = static_cast<int32_t>(reduce_add(r1));
+      a.s16[2 * i] = s0;
+      a.s16[2 * i + 1] = s1;
+      a.d[i] = d;
+      a.dsum[i] = d * static_cast<float>(s0 + s1);
     }
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_act_q8(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % kBlock == 0,
-              "quant_act_q8: x must be a contiguous [M, K] tensor with K a multiple of 32");
+void quantize_acts(const at::Tensor& x, ActBuffers& a) {
   const int64_t M = x.size(0), K = x.size(1);
-  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto d = at::empty({M, K / kBlock}, x.options().dtype(at::kFloat));
-  auto s = at::empty({M, K / kBlock}, x.options().dtype(at::kInt));
   if (x.scalar_type() == at::kFloat) {
-    quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<int32_t>());
+    quantize_acts(x.data_ptr<float>(), x.stride(0), M, K, a);
   } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "quant_act_q8: x must be float32 or bfloat16");
-    quantize_rows(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), M, K, q.data_ptr<int8_t>(),
-                  d.data_ptr<float>(), s.data_ptr<int32_t>());
+    quantize_acts(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), x.stride(0), M, K, a);
   }
+}
+
+void check_x(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.stride(1) == 1, op, ": x must be a 2-D CPU tensor with unit column stride");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bfloat16");
+  TORCH_CHECK(x.size(1) % kBlock == 0, op, ": K must be a multiple of 32, got ", x.size(1));
+}
+
+// (int8 values [M, K], fp32 scales [M, K / 32], int32 block sums [M, K / 32]): what the kernels use.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_act_q8(const at::Tensor& x) {
+  check_x(x, "quant_act_q8");
+  ActBuffers a;
+  quantize_acts(x, a);
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({M, nb}, x.options().dtype(at::kFloat));
+  auto s = at::empty({M, nb}, x.options().dtype(at::kInt));
+  std::memcpy(q.data_ptr<int8_t>(), a.q.data(), a.q.size());
+  std::memcpy(d.data_ptr<float>(), a.d.data(), a.d.size() * sizeof(float));
+  int32_t* sp = s.data_ptr<int32_t>();
+  for (int64_t i = 0; i < M * nb; ++i) sp[i] = a.s16[2 * i] + a.s16[2 * i + 1];
   return {q, d, s};
 }
 
-// GGUF rows [N, row_bytes] of `qtype` -> (values [N, K] int8 or [N, K / 2] uint8, scales [N, nb] fp16 bits).
-std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qtype == kQ8_0 || qtype == kQ4_0, "quant_pack: only Q8_0 and Q4_0");
-  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous(), "quant_pack: raw uint8 rows");
-  const int64_t N = raw.size(0), nb = K / kBlock;
-  const int64_t value_bytes = qtype == kQ8_0 ? kBlock : kBlock / 2;
-  TORCH_CHECK(K % kBlock == 0 && raw.size(1) == nb * (2 + value_bytes), "quant_pack: row size does not match K");
-  auto values = at::empty({N, nb * value_bytes}, raw.options());
-  auto scales = at::empty({N, nb}, raw.options().dtype(at::kShort));
-  const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dv = values.data_ptr<uint8_t>();
-  int16_t* ds = scales.data_ptr<int16_t>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* block = src + (n * nb + b) * (2 + value_bytes);
-        std::memcpy(ds + n * nb + b, block, 2);
-        std::memcpy(dv + (n * nb + b) * value_bytes, block + 2, value_bytes);
+// ---- the driver ----------------------------------------------------------------------------------
+struct Segment {
+  TileArgs w;
+  int qtype;
+  int64_t pairs;  // tile pairs (32 packed rows each)
+  int64_t rows;   // logical rows
+  int64_t col0;   // first output column
+};
+
+struct Output {
+  void* y;
+  int64_t ldy;
+  bool fp32;
+  const float* bias;  // [N] (plain) or [2 * I] gate then up (SwiGLU), or nullptr
+  bool swiglu;
+  int64_t n;  // output columns
+};
+
+struct Task {
+  int seg;
+  int64_t pair0, pair1;  // tile pairs [pair0, pair1) of segment `seg`
+};
+
+// Up to this many rows, one group of rows streams the weight once; the rows of larger groups
+// take at most kGroupBytes of activations, and tasks at most kChunkBytes of weights.
+constexpr int64_t kSingleGroupRows = 32;
+constexpr int64_t kGroupBytes = 192 << 10;
+constexpr int64_t kChunkBytes = 384 << 10;
+
+inline void store_cols(const Output& o, int64_t row, int64_t col, VecF v) {
+  const int64_t left = o.n - col;
+  if (left <= 0) return;
+  if (o.fp32) {
+    float* dst = static_cast<float*>(o.y) + row * o.ldy + col;
+    left >= 16 ? store(dst, v) : store(dst, v, tail_mask(left));
+  } else {
+    uint16_t* dst = static_cast<uint16_t*>(o.y) + row * o.ldy + col;
+    left >= 16 ? store_bf16(dst, v) : store_bf16(dst, v, tail_mask(left));
+  }
+}
+
+inline VecF bias16(const float* b, int64_t left) { return left >= 16 ? load(b) : load(b, tail_mask(left)); }
+
+// scratch [rows][32] of one tile pair -> y (bias, SwiGLU, bf16).
+void finish(const Output& o, const Segment& s, int64_t pair, int64_t row0, int64_t rows, const float* scratch) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = scratch + r * 2 * kTileRows;
+    if (o.swiglu) {
+      const int64_t col = pair * kTileRows, left = o.n - col;
+      VecF g = load(src), u = load(src + kTileRows);
+      if (o.bias && left > 0) {
+        g = add(g, bias16(o.bias + col, left));
+        u = add(u, bias16(o.bias + o.n + col, left));
+      }
+      store_cols(o, row0 + r, col, silu_mul(g, u));
+    } else {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t local = pair * 2 * kTileRows + h * kTileRows;  // column within the segment
+        const int64_t left = s.rows - local;
+        if (left <= 0) break;
+        VecF v = load(src + h * kTileRows);
+        const int64_t col = s.col0 + local;
+        if (o.bias) v = add(v, bias16(o.bias + col, left));
+        // A segment's last columns: only those it has (the next segment's start after them).
+        Output clipped = o;
+        clipped.n = std::min(o.n, s.col0 + s.rows);
+        store_cols(clipped, row0 + r, col, v);
+      }
+    }
+  }
+}
+
+// M rows split into near-equal blocks of at most kMaxMR: (first row, rows).
+std::vector<std::pair<int64_t, int>> row_blocks(int64_t row0, int64_t M) {
+  const int64_t n = (M + kMaxMR - 1) / kMaxMR;
+  std::vector<std::pair<int64_t, int>> blocks;
+  int64_t row = row0;
+  for (int64_t b = 0; b < n; ++b) {
+    const int rows = static_cast<int>((row0 + M - row) / (n - b));
+    blocks.emplace_back(row, rows);
+    row += rows;
+  }
+  return blocks;
+}
+
+void run(const ActBuffers& act, int64_t M, int64_t K, const std::vector<Segment>& segs, const Output& o) {
+  const Acts x{act.q.data(), act.d.data(), act.dsum.data(), act.s16.data(), K, K / kBlock};
+  const MicroTable& table = current_dot().table();
+  const int64_t threads = at::get_num_threads();
+  // Row groups.
+  const int64_t group_rows =
+      M <= kSingleGroupRows ? M : std::max<int64_t>(kMaxMR, kGroupBytes / K / kMaxMR * kMaxMR);
+  const int64_t groups = (M + group_rows - 1) / group_rows;
+  // Chunks of tile pairs: one group splits every segment into pieces of near-equal bytes, a
+  // multiple of the thread count in all; otherwise chunks of about kChunkBytes.
+  int64_t total_bytes = 0;
+  for (const Segment& s : segs) total_bytes += s.pairs * 2 * s.w.value_stride;
+  const int64_t target = groups == 1 ? std::max<int64_t>(1, total_bytes / (4 * threads)) : kChunkBytes;
+  std::vector<Task> tasks_by_chunk;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const int64_t pair_bytes = 2 * segs[i].w.value_stride;
+    const int64_t per = std::max<int64_t>(1, target / pair_bytes);
+    const int64_t chunks = (segs[i].pairs + per - 1) / per;
+    for (int64_t c = 0; c < chunks; ++c)
+      tasks_by_chunk.push_back({static_cast<int>(i), c * segs[i].pairs / chunks, (c + 1) * segs[i].pairs / chunks});
+  }
+  const int64_t chunks = static_cast<int64_t>(tasks_by_chunk.size());
+  at::parallel_for(0, groups * chunks, 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<float> scratch;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t / chunks;
+      const Task& task = tasks_by_chunk[static_cast<size_t>(t % chunks)];
+      const Segment& s = segs[static_cast<size_t>(task.seg)];
+      const int64_t row0 = g * group_rows, rows = std::min(group_rows, M - row0);
+      const auto blocks = row_blocks(row0, rows);
+      scratch.resize(static_cast<size_t>(rows * 2 * kTileRows));
+      const auto& fns = table[type_index(s.qtype)];
+      for (int64_t p = task.pair0; p < task.pair1; ++p) {
+        for (int half = 0; half < 2; half += kTileStep) {
+          const int64_t tile = 2 * p + half;
+          const TileArgs w{s.w.values + tile * s.w.value_stride, s.w.scales + tile * s.w.scale_stride,
+                           s.w.value_stride, s.w.scale_stride};
+          for (const auto& [row, n] : blocks)
+            fns[n - 1](w, x, row, scratch.data() + (row - row0) * 2 * kTileRows + half * kTileRows, 2 * kTileRows);
+        }
+        finish(o, s, p, row0, rows, scratch.data());
       }
     }
   });
-  return {values, scales};
 }
 
-at::Tensor quant_linear(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& xs, const at::Tensor& wq,
-                        const at::Tensor& wd, int64_t qtype) {
-  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous(), "quant_linear: xq");
-  TORCH_CHECK(qtype == kQ8_0 || qtype == kQ4_0 || qtype == kQ5_0 || qtype == kQ6_K || qtype == kQ4_K,
-              "quant_linear: only Q8_0, Q4_0, Q5_0, Q4_K and Q6_K");
-  const int64_t M = xq.size(0), K = xq.size(1), N = wq.size(0), nb = K / kBlock;
-  // Q8_0 / Q4_0 come repacked (values, scales); Q5_0 / Q6_K as the file's raw blocks.
-  const int64_t row_bytes = qtype == kQ8_0   ? K
-                            : qtype == kQ4_0 ? K / 2
-                            : qtype == kQ5_0 ? nb * 22
-                            : qtype == kQ4_K ? K / 256 * 144
-                                             : K / 256 * 210;
-  TORCH_CHECK((qtype != kQ6_K && qtype != kQ4_K) || K % 256 == 0, "quant_linear: K-quant rows need a multiple of 256");
-  TORCH_CHECK(wq.size(1) == row_bytes && xd.size(0) == M && xs.size(0) == M, "quant_linear: shapes do not match");
-  TORCH_CHECK(qtype == kQ5_0 || qtype == kQ6_K || qtype == kQ4_K || (wd.size(0) == N && wd.size(1) == nb),
-              "quant_linear: scales");
-  auto y = at::empty({M, N}, xd.options().dtype(at::kFloat));
-  const Args a{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<int32_t>(), wq.data_ptr<uint8_t>(),
-               wd.numel() ? reinterpret_cast<const uint16_t*>(wd.data_ptr<int16_t>()) : nullptr, y.data_ptr<float>(), M, K, N, nb,
-               row_bytes};
-  const RowsFn fn = rows_fn(static_cast<int>(qtype));
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) { fn(a, begin, end); });
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList values, at::TensorList scales, at::IntArrayRef qtypes,
+                        at::IntArrayRef rows, const std::optional<at::Tensor>& bias, bool swiglu, bool out_fp32) {
+  check_x(x, "quant_linear");
+  const int64_t M = x.size(0), K = x.size(1);
+  const size_t n_seg = values.size();
+  TORCH_CHECK(n_seg >= 1 && scales.size() == n_seg && qtypes.size() == n_seg && rows.size() == n_seg,
+              "quant_linear: one values, scales, qtype and row count per segment");
+  TORCH_CHECK(!swiglu || n_seg == 1, "quant_linear: a SwiGLU weight is one segment");
+  std::vector<Segment> segs;
+  int64_t col = 0;
+  for (size_t i = 0; i < n_seg; ++i) {
+    const int qt = static_cast<int>(qtypes[i]);
+    TORCH_CHECK(known(qt), "quant_linear: no integer kernel for GGML type ", qt);
+    const Layout lay = layout(qt);
+    TORCH_CHECK(K % (kBlock * lay.group_blocks) == 0, "quant_linear: this type needs K a multiple of ",
+                kBlock * lay.group_blocks, ", got ", K);
+    const int64_t n = rows[i];
+    const int64_t tiles = swiglu ? 2 * ((n / 2 + kTileRows - 1) / kTileRows) : tiles_for(n);
+    const int64_t vstride = K / kBlock * lay.block_value_bytes, sstride = K / kBlock / lay.group_blocks * lay.group_scale_bytes;
+    const at::Tensor& v = values[i];
+    const at::Tensor& s = scales[i];
+    TORCH_CHECK(n >= 1 && (!swiglu || n % 2 == 0), "quant_linear: bad row count ", n);
+    TORCH_CHECK(v.scalar_type() == at::kByte && v.is_contiguous() && v.dim() == 2 && v.size(0) == tiles &&
+                    v.size(1) == vstride && s.scalar_type() == at::kByte && s.is_contiguous() && s.dim() == 2 &&
+                    s.size(0) == tiles && s.size(1) == sstride,
+                "quant_linear: segment ", i, " does not match the tiled layout of ", n, " rows x ", K);
+    segs.push_back({{v.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), vstride, sstride}, qt, tiles / 2, n, col});
+    col += n;
+  }
+  const int64_t N = swiglu ? col / 2 : col;
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == col && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "quant_linear: bias must be contiguous float32 of shape [", col, "]");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : x.scalar_type()));
+  if (M == 0) return y;
+  thread_local ActBuffers act;
+  quantize_acts(x, act);
+  const Output o{y.data_ptr(), N, out_fp32 || x.scalar_type() == at::kFloat, b, swiglu, N};
+  run(act, M, K, segs, o);
   return y;
 }
 
-std::string quant_dot_kind() {
-  switch (dot_kind()) {
-    case DotKind::avx512vnni:
-      return "avx512_vnni";
-    case DotKind::avxvnni:
-      return "avx_vnni";
-    default:
-      return "avx2_maddubs";
-  }
+std::string quant_dot_kind() { return current_dot().name; }
+
+std::vector<std::string> quant_dot_kinds() {
+  std::vector<std::string> names;
+  for (const DotImpl& d : dot_impls()) names.emplace_back(d.name);
+  return names;
+}
+
+// Tests: run the kernels on another dot product this CPU has (one of quant_dot_kinds()).
+void quant_use_dot(const std::string& name) {
+  const std::vector<DotImpl> impls = dot_impls();
+  for (size_t i = 0; i < impls.size(); ++i)
+    if (name == impls[i].name) {
+      g_dot.store(static_cast<int>(i));
+      return;
+    }
+  TORCH_CHECK(false, "quant_use_dot: ", name, " is not one of this CPU's dot products");
 }
 
 }  // namespace
 
 PAGODA_LIBRARY_FRAGMENT(m) {
   m.def("quant_act_q8(Tensor x) -> (Tensor, Tensor, Tensor)");
-  m.def("quant_pack(Tensor raw, int qtype, int k) -> (Tensor, Tensor)");
-  m.def("quant_linear(Tensor xq, Tensor xd, Tensor xs, Tensor wq, Tensor wd, int qtype) -> Tensor");
+  m.def(
+      "quant_linear(Tensor x, Tensor[] values, Tensor[] scales, int[] qtypes, int[] rows, Tensor? bias, bool swiglu, "
+      "bool out_fp32) -> Tensor");
   m.def("quant_dot_kind() -> str");
+  m.def("quant_dot_kinds() -> str[]");
+  m.def("quant_use_dot(str name) -> ()");
   m.impl("quant_act_q8", c10::DispatchKey::CPU, TORCH_FN(quant_act_q8));
-  m.impl("quant_pack", c10::DispatchKey::CPU, TORCH_FN(quant_pack));
   m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(quant_linear));
   m.impl("quant_dot_kind", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(quant_dot_kind));
+  m.impl("quant_dot_kinds", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(quant_dot_kinds));
+  m.impl("quant_use_dot", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(quant_use_dot));
 }

@@ -1,0 +1,71 @@
+// The tiled layout pagoda's integer kernels stream GGML weights in (quant_pack.cpp writes it
+// once at load, quant_gemm.cpp reads it), shared by every kernel variant.
+//
+// Output rows are grouped in tiles of 16 (one 32-bit lane each of a 512-bit register, or of two
+// 256-bit ones); a weight's tile count is rounded up to an even number (rows past the weight
+// are zero) so that kernels may take tiles two at a time. For every block of 32 values (one
+// activation block) a tile holds the 16 rows' values interleaved: 32-bit lane r of a 64-byte
+// vector holds 4 consecutive values of row r, so one vpdpbusd against 4 broadcast activation
+// bytes adds 4 products to each of the 16 rows' sums, with no horizontal sum.
+//
+// Values are stored unsigned (a format's offset, Q8_0's sign bias included, is folded into the
+// integer sum through the activation block sums). Per block and tile ("group" g = values
+// 4g..4g+3 of the block, byte 4r + t = value 4g + t of row r):
+//   8 bits (Q8_0):  8 vectors, vector g = group g, each byte q + 128 (the int8 value, biased).
+//   4 bits:         4 vectors of nibbles: vector c holds group c in its low nibbles and group
+//                   c + 4 in its high nibbles (one and / shift + and per 64 bytes).
+//   5 bits:         the 4 nibble vectors, then one 64-byte plane whose byte 4r + t has in bit g
+//                   the 5th bit of group g's value (one shift + and + or per 64 bytes).
+//   6 bits (Q6_K):  the 4 nibble vectors, then two planes: plane h, bits 2i..2i+1 of byte
+//                   4r + t = bits 4-5 of group 4h + i's value.
+// The scales sit apart from the values, per "scale group" (a block, or a 256-value super-block
+// for the K-quants) and tile, as 16-entry rows (entry r = row r):
+//   Q8_0, Q4_0, Q5_0:  d[16] fp16.
+//   Q4_1, Q5_1:        d[16], m[16] fp16.
+//   Q4_K, Q5_K:        d[16], dmin[16] fp16, sc[8][16], mn[8][16] (the 6-bit scales and mins).
+//   Q6_K:              d[16] fp16, sc[16][16] int8.
+// Memory equals the GGUF file's bytes except Q4_K / Q5_K (6-bit scales widened to bytes: +2.8%
+// and +2.3%) and the padding to an even number of tiles. Tensors: values [tiles, blocks * VB],
+// scales [tiles, groups * SB] (uint8).
+#pragma once
+
+#include <cstdint>
+
+namespace pagoda_quant {
+
+constexpr int kTileRows = 16;
+constexpr int kBlock = 32;
+// GGML type ids.
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+
+struct Layout {
+  int bits;               // value width in the tile (8, 4, 5 or 6)
+  int group_blocks;       // 32-value blocks per scale group (1, or 8 for the K-quants)
+  int block_value_bytes;  // VB: bytes per block and tile
+  int group_scale_bytes;  // SB: bytes per scale group and tile
+  int gguf_group_bytes;   // one row's bytes per scale group in the GGUF file
+  int offset;             // subtracted from every stored value (Q8_0: the bias of 128)
+  bool affine;            // has a per-block minimum (Q4_1, Q5_1, Q4_K, Q5_K)
+};
+
+constexpr bool known(int qtype) {
+  return qtype == kQ8_0 || qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ4_K ||
+         qtype == kQ5_K || qtype == kQ6_K;
+}
+
+constexpr Layout layout(int qtype) {
+  switch (qtype) {
+    case kQ8_0: return {8, 1, 512, 32, 34, 128, false};
+    case kQ4_0: return {4, 1, 256, 32, 18, 8, false};
+    case kQ4_1: return {4, 1, 256, 64, 20, 0, true};
+    case kQ5_0: return {5, 1, 320, 32, 22, 16, false};
+    case kQ5_1: return {5, 1, 320, 64, 24, 0, true};
+    case kQ4_K: return {4, 8, 256, 320, 144, 0, true};
+    case kQ5_K: return {5, 8, 320, 320, 176, 0, true};
+    default:    return {6, 8, 384, 288, 210, 32, false};  // Q6_K
+  }
+}
+
+inline int64_t tiles_for(int64_t rows) { return (rows + 2 * kTileRows - 1) / (2 * kTileRows) * 2; }
+
+}  // namespace pagoda_quant

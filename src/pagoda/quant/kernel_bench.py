@@ -1,0 +1,130 @@
+"""Times pagoda's integer GEMM (`pagoda.kernels.cpu_quant`) against its bf16 kernel on the linear
+layers of Qwen2.5-0.5B's shape, per GGML type and row count.
+
+`python -m pagoda.quant.kernel_bench --types q8_0,q4_0 --m 1,32,2048` (`--help` for the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from pagoda.kernels import cpu_gemm
+from pagoda.kernels.build import available, status
+from pagoda.kernels.cpu_quant import SUPPORTED, PackedQuant, dot_kind, linear, pack
+from pagoda.quant.formats import GGMLType
+from pagoda.quant.tensor import GGMLTensor
+
+# (name, N, K) of Qwen2.5-0.5B's linear layers (gate_up counts gate and up).
+SHAPES = (("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864))
+LAYERS = 24
+
+
+def _median_time(fn: Callable[[], object], rounds: int) -> float:
+    for _ in range(2):
+        fn()
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def bench(types: list[str], ms: list[int], rounds: int) -> None:
+    """The linear layers of Qwen2.5-0.5B's shape on the integer kernel against the bf16 kernel.
+    Up to 64 rows, 24 layers of distinct weights (a pass streams them from memory, as decode
+    does); more rows are bound by arithmetic and time 2 layers. Times are per 24 layers."""
+    if not available():
+        raise SystemExit(f"kernels unavailable: {status().reason}")
+    print(
+        f"variant={status().variant} dot={dot_kind()} threads={torch.get_num_threads()} rounds={rounds} (median)"
+    )
+    gen = torch.Generator().manual_seed(0)
+    dense = {name: torch.randn(n, k, generator=gen) * 0.02 for name, n, k in SHAPES}
+    bf16 = {name: cpu_gemm.pack(w.bfloat16(), swiglu=name == "gate_up") for name, w in dense.items()}
+    for type_name in types:
+        qtype = GGMLType[type_name.upper()]
+        quant = {
+            name: pack(int(qtype), GGMLTensor.quantize(w, qtype).data, w.shape[1], name == "gate_up")
+            for name, w in dense.items()
+        }
+        for m in ms:
+            layers = LAYERS if m <= 64 else 2
+            # Copies per layer (same values, distinct memory) so that a pass reads every layer's bytes.
+            layers_q = [
+                {
+                    n: PackedQuant(p.qtype, p.values.clone(), p.scales.clone(), p.rows, p.cols, p.swiglu)
+                    for n, p in quant.items()
+                }
+                for _ in range(layers)
+            ]
+            layers_b = [
+                {
+                    n: cpu_gemm.PackedWeight(p.data.clone(), p.out_features, p.in_features, p.swiglu, p.bias)
+                    for n, p in bf16.items()
+                }
+                for _ in range(layers)
+            ]
+            xs = {name: torch.randn(m, k, generator=gen).bfloat16() for name, _, k in SHAPES}
+
+            def run_q(layers_q=layers_q, xs=xs):
+                for layer in layers_q:
+                    for name, p in layer.items():
+                        linear(xs[name], [p])
+
+            def run_b(layers_b=layers_b, xs=xs):
+                for layer in layers_b:
+                    for name, p in layer.items():
+                        cpu_gemm.linear(xs[name], p)
+
+            scale = LAYERS / layers
+            tq, tb = _median_time(run_q, rounds) * scale, _median_time(run_b, rounds) * scale
+            gmac = m * sum(n * k for _, n, k in SHAPES) * LAYERS / 1e9
+            qbytes = sum(p.nbytes for p in quant.values()) * LAYERS
+            print(
+                f"{type_name:<5} M={m:<5} int {tq * 1e3:9.2f} ms ({gmac / tq:6.1f} GMAC/s, {qbytes / tq / 1e9:5.1f} GB/s)  "
+                f"bf16 {tb * 1e3:9.2f} ms ({gmac / tb:6.1f} GMAC/s)  int/bf16 speed x{tb / tq:.2f}",
+                flush=True,
+            )
+            del layers_q, layers_b
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m pagoda.quant.kernel_bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--types", default="q8_0,q4_0,q5_0,q4_k,q6_k", help="comma-separated GGML types")
+    parser.add_argument("--m", default="1,8,32,256,2048", help="comma-separated row counts")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per shape (default 5)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    try:
+        ms = [int(v) for v in args.m.split(",")]
+    except ValueError:
+        parser.error(f"--m must be comma-separated integers, got {args.m!r}")
+    if any(m < 1 for m in ms) or args.rounds < 1:
+        parser.error("--m values and --rounds must be >= 1")
+    types = [t.strip() for t in args.types.split(",") if t.strip()]
+    for t in types:
+        if t.upper() not in GGMLType.__members__ or GGMLType[t.upper()] not in SUPPORTED:
+            parser.error(
+                f"--types: {t!r} is not one of {', '.join(GGMLType(q).name.lower() for q in SUPPORTED)}"
+            )
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO)
+    bench(types, ms, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
