@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pagoda.cli_args import arg
 from pagoda.limits import RequestLimits
@@ -73,6 +73,12 @@ class EngineArgs:
         help="propose jump-forward drafts only while at most this many requests run",
         default_text="4 on the CPU, no limit elsewhere",
     )
+    speculative_config: dict[str, Any] | None = arg(
+        None,
+        help='speculative decoding, as vLLM spells it: a JSON object such as {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
+        metavar="JSON",
+    )
     # Limits on every size a request can choose (n, stop strings, grammar size, ...): see limits.py.
     # Its fields are flags of `pagoda serve` themselves (--max-n, ...).
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -117,6 +123,8 @@ class EngineArgs:
             raise ValueError(
                 f"jump_forward_max_running must be an integer >= 1, got {self.jump_forward_max_running!r}"
             )
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)
         if not isinstance(self.limits, RequestLimits):
             raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
         # The scheduler's own checks, before the model loads (the context length is not known yet).
@@ -175,6 +183,93 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be 'fcfs' or 'lpm', got {self.policy!r}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+# The keys each method takes (anything else in a speculative_config is an error).
+_SPECULATIVE_KEYS = {
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_running"),
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`EngineArgs.speculative_config`, vLLM's keys). Drafts from a proposer
+    are verified by the target model in one forward pass and one sampler call.
+
+    ngram (prompt lookup decoding): the longest suffix of the sequence, between prompt_lookup_min
+    and prompt_lookup_max tokens, that occurred earlier proposes the tokens that followed it.
+    `max_running`: proposals only while at most this many requests run (the load gate; None: the
+    device's default, see pagoda.engine.resolve)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2  # given only one of the two, the other follows it
+    prompt_lookup_max: int = 4
+    max_running: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config: unknown method {self.method!r}; choose one of "
+                f"{', '.join(SPECULATIVE_METHODS)}"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+        if self.num_speculative_tokens > 64:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens must be at most 64, got {self.num_speculative_tokens}"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if self.max_running is not None and (
+            not isinstance(self.max_running, int)
+            or isinstance(self.max_running, bool)
+            or self.max_running < 1
+        ):
+            raise ValueError(
+                f"speculative_config: max_running must be a positive integer, got {self.max_running!r}"
+            )
+
+    @property
+    def max_running_or_unlimited(self) -> float:
+        return float("inf") if self.max_running is None else self.max_running
+
+    @classmethod
+    def from_dict(cls, config: Any) -> SpeculativeConfig:
+        """Validate a user's speculative_config (a dict, as from JSON); unknown keys are errors."""
+        if isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(config).__name__}")
+        method = config.get("method")
+        if method is None:
+            raise ValueError(f"speculative_config needs a 'method' (one of {', '.join(SPECULATIVE_METHODS)})")
+        if method not in _SPECULATIVE_KEYS:
+            raise ValueError(
+                f"speculative_config: unknown method {method!r}; choose one of {', '.join(SPECULATIVE_METHODS)}"
+            )
+        allowed = _SPECULATIVE_KEYS[method]
+        unknown = sorted(set(config) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))} for method {method!r}; "
+                f"allowed: {', '.join(allowed)}"
+            )
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config needs 'num_speculative_tokens'")
+        config = dict(config)
+        lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        if isinstance(lo, int) and hi is None:
+            config["prompt_lookup_max"] = max(lo, cls.prompt_lookup_max)
+        elif isinstance(hi, int) and lo is None:
+            config["prompt_lookup_min"] = min(hi, cls.prompt_lookup_min)
+        return cls(**config)
+
+
 @dataclass(frozen=True)
 class StructuredOutputConfig:
     enable_jump_forward: bool = True
@@ -190,6 +285,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     structured: StructuredOutputConfig
     tokenizer: str  # tokenizer folder
+    speculative: SpeculativeConfig | None = None  # with max_running resolved
     # Check the KV block accounting after every step, not only when the engine goes idle (a debug
     # switch: PAGODA_CHECK_INVARIANTS=1; the test suite turns it on).
     check_invariants: bool = False

@@ -165,7 +165,7 @@ def test_jump_forward_keeps_outputs_and_saves_steps(tiny_model_dirs, arch):
         if jf:
             assert core.num_jump_forward_accepted > 0
         else:
-            assert core.num_jump_forward_tokens == 0
+            assert core.drafter.stats.num_jump_forward_tokens == 0
         _clean(llm)
     assert results[True] == results[False]
     assert steps[True] < steps[False]
@@ -200,14 +200,14 @@ def test_jump_forward_waits_for_a_small_batch(tiny_model_dirs):
     outputs = {}
     while llm.engine.has_unfinished_requests():
         crowded = len(core.scheduler.running) > 2
-        before = core.num_jump_forward_tokens
+        before = core.drafter.stats.num_jump_forward_tokens
         for out in llm.engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
         if crowded or len(core.scheduler.running) > 2:  # more than 2 running when drafts were due
-            proposed_while_crowded += core.num_jump_forward_tokens - before
+            proposed_while_crowded += core.drafter.stats.num_jump_forward_tokens - before
     assert proposed_while_crowded == 0
-    assert core.num_jump_forward_tokens > 0  # after the third request finished
+    assert core.drafter.stats.num_jump_forward_tokens > 0  # after the third request finished
     reference = LLM(model, dtype="float32", num_kv_blocks=256, enable_jump_forward=False)
     expected = reference.generate(prompts, params)
     assert [outputs[f"r{i}"] for i in range(3)] == [o.outputs[0].token_ids for o in expected]

@@ -392,6 +392,9 @@ def test_metrics_names(base: str) -> None:
         "vllm:e2e_request_latency_seconds_bucket",
         "vllm:prefix_cache_queries_total",
         "vllm:prefix_cache_hits_total",
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
     ):
         assert f"\n{name}{{" in text, name
 

@@ -3,7 +3,10 @@
 Workloads: `batch` (many requests at once), `single` (one stream), `prefill` (one long prompt),
 compared with transformers `generate` on the same prompts, dtype and threads (or, with
 `--baseline llama.cpp`, llama-cpp-python on the same GGUF file); and `shared-prefix` and
-`multi-turn`, run with the prefix cache on and off.
+`multi-turn`, run with the prefix cache on and off; `structured` with jump-forward on and off;
+`spec` (greedy) with speculative decoding on (`--speculative-config`, default n-gram lookup) and
+off, checking that the outputs are the same and reporting the acceptance rate, the mean accepted
+length and the forward passes saved.
 
 `--model` takes a Hugging Face folder or a GGUF file; `--quantization` quantizes a folder's
 weights at load, and `--gguf TYPE` writes the (default random) model as a GGUF file of TYPE
@@ -21,7 +24,14 @@ from dataclasses import dataclass
 
 from pagoda.cli_args import add_arguments, arg, values_from
 
-WORKLOADS = ("batch", "single", "prefill", "shared-prefix", "multi-turn", "structured")
+WORKLOADS = ("batch", "single", "prefill", "shared-prefix", "multi-turn", "structured", "spec")
+# The spec workload's proposer unless --speculative-config names one.
+DEFAULT_SPEC_CONFIG = {
+    "method": "ngram",
+    "num_speculative_tokens": 8,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+}
 # Qwen2.5-0.5B's shape: the default model when none is given (random weights).
 DEFAULT_SHAPE = dict(
     hidden_size=896,
@@ -38,6 +48,7 @@ _DEFAULTS = {  # workload -> (num_prompts, input_len, output_len)
     "shared-prefix": (64, 64, 32),
     "multi-turn": (16, 64, 32),
     "structured": (64, 32, 512),
+    "spec": (1, 16, 496),  # one stream; 512 tokens in all fit the demo model's context
 }
 # A record with long fixed keys, bounded strings and enums: what structured extraction looks like.
 BENCH_SCHEMA = {
@@ -108,6 +119,7 @@ OFFLINE_ENGINE_FLAGS = (
     "max_num_seqs",
     "kv_cache_memory_gb",
     "jump_forward_max_running",
+    "speculative_config",
 )
 OFFLINE_ENGINE_DEFAULTS = {"dtype": "bfloat16", "kv_cache_memory_gb": 2.0}
 
@@ -210,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
     bandwidths = [measure_read_bandwidth()] if args.workload == "single" else []
     if args.workload == "structured":
         results = _run_structured(args, model, tokenizer, n, input_len, output_len)
+    elif args.workload == "spec":
+        results = _run_spec(args, model, tokenizer, n, input_len, output_len)
     elif args.workload in ("shared-prefix", "multi-turn"):
         for caching in (True, False):
             results.append(_run_cache_workload(args, model, tokenizer, n, input_len, output_len, caching))
@@ -325,12 +339,17 @@ def _random_prompts(tokenizer, n: int, input_len: int, seed: int) -> list[list[i
     return [[rng.choice(vocab) for _ in range(input_len)] for _ in range(n)]
 
 
-def _engine(args, model: str, caching: bool = True, jump_forward: bool = True):
+def _engine(args, model: str, caching: bool = True, jump_forward: bool = True, **overrides):
     from pagoda.config import EngineArgs
     from pagoda.engine.llm_engine import LLMEngine
 
     values = values_from(
-        EngineArgs, args, model=model, enable_prefix_caching=caching, enable_jump_forward=jump_forward
+        EngineArgs,
+        args,
+        model=model,
+        enable_prefix_caching=caching,
+        enable_jump_forward=jump_forward,
+        **overrides,
     )
     return LLMEngine(EngineArgs(**values))
 
@@ -582,6 +601,69 @@ def _run_structured(args, model, tokenizer, n, input_len, output_len) -> list[Ru
     ttfts = [o.metrics["first_token_time"] - mono0 for o in outs]
     results.append(RunResult("unconstrained", elapsed, sum(lengths), sum(map(len, prompts)), ttfts))
     return results
+
+
+SPEC_REPEATS = 3
+
+
+def _run_spec(args, model, tokenizer, n, input_len, output_len) -> list[RunResult]:
+    """The same greedy prompts with speculative decoding on and off, in alternating runs (the
+    median of SPEC_REPEATS each); the outputs must be the same. Prints the acceptance rate, the
+    mean accepted length (tokens per verified draft span: accepted drafts plus the token sampled
+    after them) and the forward passes saved (summed over sequences)."""
+    from pagoda.config import SpeculativeConfig
+    from pagoda.sampling_params import SamplingParams
+
+    config = args.speculative_config or DEFAULT_SPEC_CONFIG
+    spec = SpeculativeConfig.from_dict(config)
+    print(f"speculative_config: {json.dumps(config)}")
+    prompts = _random_prompts(tokenizer, n, input_len, args.seed)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    engines = {
+        "spec on": _engine(args, model, speculative_config=config),
+        "spec off": _engine(args, model, speculative_config=None),
+    }
+    for engine in engines.values():
+        _warmup(engine)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    outputs: dict[str, list[list[int]]] = {}
+    counts: dict[str, tuple[int, int, int, int]] = {}
+    for _ in range(SPEC_REPEATS):
+        for name, engine in engines.items():
+            before = engine.stats()
+            start = time.perf_counter()
+            ids = [engine.add_request(None, p, params) for p in prompts]
+            done = {}
+            while engine.has_unfinished_requests():
+                done.update({o.request_id: o for o in engine.step() if o.finished})
+            times[name].append(time.perf_counter() - start)
+            after = engine.stats()
+            outputs[name] = [done[i].outputs[0].token_ids for i in ids]
+            counts[name] = (
+                after.num_sequence_steps - before.num_sequence_steps,
+                after.spec_num_drafts - before.spec_num_drafts,
+                after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+                after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
+            )
+            engine.reset_prefix_cache()
+    same = outputs["spec on"] == outputs["spec off"]
+    steps_on, drafts, draft_tokens, accepted = counts["spec on"]
+    steps_off = counts["spec off"][0]
+    print(
+        f"outputs identical: {same}\n"
+        f"acceptance rate: {accepted / max(draft_tokens, 1):.1%} ({accepted}/{draft_tokens} draft tokens, "
+        f"{drafts} drafts of up to {spec.num_speculative_tokens})\n"
+        f"mean accepted length: {1 + accepted / max(drafts, 1):.2f} tokens per verified draft\n"
+        f"forward passes (summed over sequences): {steps_on} on, {steps_off} off "
+        f"({1 - steps_on / max(steps_off, 1):.1%} saved)"
+    )
+    if not same:
+        raise SystemExit("pagoda bench offline: speculative decoding changed the greedy outputs")
+    out_tokens = sum(map(len, outputs["spec off"]))
+    return [
+        RunResult(name, statistics.median(times[name]), out_tokens, sum(map(len, prompts)), [])
+        for name in engines
+    ]
 
 
 def _report(args, results: list[RunResult], extra: dict) -> None:

@@ -168,6 +168,15 @@ class KVCacheManager:
             self.radix.unlock(record.node)
         record.node, record.num_cached_blocks = node, full
 
+    def trim(self, request: Request) -> None:
+        """Give back the blocks past the request's computed tokens (after its rejected drafts were
+        dropped). They are its own: cached and shared blocks hold computed tokens only."""
+        record = self._records[request.request_id]
+        keep = max(self.blocks_needed(request.num_computed_tokens), record.num_cached_blocks)
+        if len(record.blocks) > keep:
+            self.pool.decref(record.blocks[keep:])
+            del record.blocks[keep:]
+
     def free(self, request_id: str) -> None:
         """Release the request's KV record (blocks in the tree stay there, unlocked). Call cache()
         first to keep its computed blocks for later."""

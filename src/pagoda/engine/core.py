@@ -17,6 +17,7 @@ from pagoda.outputs import Logprob, PromptLogprobs
 from pagoda.request import Request
 from pagoda.sample.metadata import make_generator
 from pagoda.scheduler.scheduler import Scheduler
+from pagoda.spec import Drafter
 from pagoda.step import GrammarMasks, SchedulerOutput
 from pagoda.structured import GrammarManager
 from pagoda.worker.model_runner import ModelRunner
@@ -37,8 +38,8 @@ class EngineCore:
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.grammars: GrammarManager | None = None  # set by the engine on first structured request
-        self.num_jump_forward_tokens = 0  # drafts proposed
-        self.num_jump_forward_accepted = 0  # drafts that sampling confirmed
+        self.drafter = Drafter(config.speculative, config.structured, config.max_model_len)
+        self.num_jump_forward_accepted = 0  # grammar-forced drafts that sampling confirmed
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, msg: EngineCoreRequest) -> None:
@@ -104,8 +105,11 @@ class EngineCore:
             prefix_cache_queries=kv.stats.queried_tokens,
             prefix_cache_hits=kv.stats.hit_tokens,
             num_evicted_blocks=kv.num_evicted_blocks,
-            jump_forward_drafts=self.num_jump_forward_tokens,
+            jump_forward_drafts=self.drafter.stats.num_jump_forward_tokens,
             jump_forward_accepted=self.num_jump_forward_accepted,
+            spec_num_drafts=self.drafter.stats.num_drafts,
+            spec_num_draft_tokens=self.drafter.stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.drafter.stats.num_accepted_tokens,
         )
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -123,21 +127,22 @@ class EngineCore:
             _store_prompt_logprobs(requests[rid], pos, entries)
         sampled = result.sampled
         failed: dict[str, str] = {}  # request id -> why it fails
+        num_running = len(self.scheduler.running)
         for rid, res in list(sampled.items()):
             req = requests[rid]
-            self.num_jump_forward_accepted += res.num_accepted_drafts
-            if req.grammar is None:
-                continue
-            try:
-                # The masks left the grammar past every draft: keep the accepted ones, then the
-                # token sampling chose.
-                req.grammar.rollback(req.num_draft_tokens - res.num_accepted_drafts)
-                self._accept(req, res.tokens[-1])
-            except _GrammarViolation as exc:
-                failed[rid] = str(exc)
-                del sampled[rid]
-                continue
-            res.drafts = self._jump_forward(req, res.tokens)
+            self.drafter.record_verified(req.num_draft_tokens, res.num_accepted_drafts)
+            if req.grammar is not None:
+                self.num_jump_forward_accepted += res.num_accepted_drafts
+                try:
+                    # The masks left the grammar past every draft: keep the accepted ones, then
+                    # the token sampling chose.
+                    req.grammar.rollback(req.num_draft_tokens - res.num_accepted_drafts)
+                    self._accept(req, res.tokens[-1])
+                except _GrammarViolation as exc:
+                    failed[rid] = str(exc)
+                    del sampled[rid]
+                    continue
+            res.drafts = self.drafter.propose(req, res.tokens, num_running, self.grammars)
         verified = {rid: requests[rid].num_tokens - requests[rid].num_draft_tokens for rid in sampled}
         changed = self.scheduler.update_from_output(sched, sampled)
         outputs = []
@@ -206,27 +211,6 @@ class EngineCore:
                 f"sampled token {token} is not allowed by the request's grammar (a dead end of the "
                 "grammar over this vocabulary); generation stopped"
             )
-
-    def _jump_forward(self, req: Request, tokens: list[int]) -> list[int]:
-        """Tokens the grammar forces after `tokens`, proposed as drafts for the next step."""
-        limit = self.config.structured.jump_forward_max_running
-        if (
-            not self.config.structured.enable_jump_forward
-            or (limit is not None and len(self.scheduler.running) > limit)
-            or req.grammar.is_terminated()
-            or tokens[-1] in req.stop_token_ids
-        ):
-            return []
-        verified = req.num_tokens - req.num_draft_tokens + len(tokens)  # once this step is applied
-        room = (
-            min(req.max_tokens - (verified - req.num_prompt_tokens), self.config.max_model_len - verified) - 1
-        )
-        if room <= 0:
-            return []
-        history = req.output_token_ids + tokens
-        forced = self.grammars.jump_forward(req.grammar, history, max_tokens=room)
-        self.num_jump_forward_tokens += len(forced)
-        return forced
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()

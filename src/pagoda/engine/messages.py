@@ -84,6 +84,10 @@ class EngineStats:
     num_evicted_blocks: int = 0
     jump_forward_drafts: int = 0  # draft tokens proposed
     jump_forward_accepted: int = 0  # drafts that sampling confirmed
+    # Speculative decoding, every proposer (grammar-forced drafts too), counted when verified.
+    spec_num_drafts: int = 0  # draft spans verified (one request's drafts in one step)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def num_unfinished(self) -> int:

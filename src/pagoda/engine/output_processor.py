@@ -97,24 +97,38 @@ class OutputProcessor:
                 continue  # finished here by a stop string; this is the core's acknowledgement
             if out.prompt_logprobs is not None:  # the first sample's, once, with its first tokens
                 group.prompt_logprobs = self._decoded(out.prompt_logprobs)
-            if out.new_token_ids:
-                if group.first_token_time is None:
-                    group.first_token_time = now
-                    group.num_cached_tokens = out.num_cached_tokens
-                group.step_new_tokens += len(out.new_token_ids)
-                comp.token_ids.extend(out.new_token_ids)
-                comp.new_token_ids.extend(out.new_token_ids)
-                if out.new_logprobs is not None:
-                    comp.logprobs = comp.logprobs or []
-                    comp.logprobs.extend(out.new_logprobs)
-                    comp.new_logprobs.extend(out.new_logprobs)
-            text_ids = out.new_token_ids
+            new_ids = out.new_token_ids
+            text_ids = new_ids
             if out.finish_reason == "stop" and isinstance(out.stop_reason, int):
                 text_ids = text_ids[:-1]  # the stop token itself is not part of the text
             stop_str = None
             if not comp.text.finished:
-                delta, stop_str = comp.text.add(text_ids, finished=out.finished)
+                # Several tokens at once (accepted draft tokens) are checked one by one, so that a
+                # stop string ends the completion at the same token as one-token steps would.
+                delta = ""
+                chunks = (
+                    [text_ids[j : j + 1] for j in range(len(text_ids))] if len(text_ids) > 1 else [text_ids]
+                )
+                for j, ids in enumerate(chunks):
+                    d, stop_str = comp.text.add(ids, finished=out.finished and j == len(chunks) - 1)
+                    delta += d
+                    if stop_str is not None:
+                        if len(chunks) > 1:
+                            new_ids = new_ids[: j + 1]
+                        break
                 comp.new_text += delta
+            if new_ids:
+                if group.first_token_time is None:
+                    group.first_token_time = now
+                    group.num_cached_tokens = out.num_cached_tokens
+                group.step_new_tokens += len(new_ids)
+                comp.token_ids.extend(new_ids)
+                comp.new_token_ids.extend(new_ids)
+                if out.new_logprobs is not None:
+                    lps = out.new_logprobs[: len(new_ids)]
+                    comp.logprobs = comp.logprobs or []
+                    comp.logprobs.extend(lps)
+                    comp.new_logprobs.extend(lps)
             if stop_str is not None:
                 if out.finished:
                     # The core ended it in the same step (e.g. at max_tokens): the stop string,

@@ -6,6 +6,7 @@ out here, once, before anything is loaded; the components only read their part o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -16,6 +17,7 @@ from pagoda.config import (
     EngineArgs,
     EngineConfig,
     ModelConfig,
+    SpeculativeConfig,
     StructuredOutputConfig,
 )
 from pagoda.models.config import ModelArchConfig
@@ -28,6 +30,11 @@ logger = logging.getLogger(__name__)
 # Measured on a 2-core CPU (random-weight model, 7-field JSON schema): jump-forward made one
 # stream 3.9x faster, 8 streams 6% slower and 32 streams 22% slower than plain decoding.
 CPU_JUMP_FORWARD_MAX_RUNNING = 4
+# The speculative-decoding load gate on the CPU: proposals only while at most this many requests
+# run. Measured with `pagoda bench offline --workload spec` (see that module): with one stream a
+# draft verified in the same forward pass is nearly free, while a batch of decodes is compute-bound
+# on a CPU and every rejected draft token costs a full token of work.
+CPU_SPECULATIVE_MAX_RUNNING = 4
 
 _DTYPES = {
     "float32": torch.float32,
@@ -65,6 +72,11 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
     jump_forward_limit = args.jump_forward_max_running or (
         CPU_JUMP_FORWARD_MAX_RUNNING if device.type == "cpu" else None
     )
+    speculative = None
+    if args.speculative_config is not None:
+        speculative = SpeculativeConfig.from_dict(args.speculative_config)
+        if speculative.max_running is None and device.type == "cpu":
+            speculative = dataclasses.replace(speculative, max_running=CPU_SPECULATIVE_MAX_RUNNING)
     return EngineConfig(
         model=ModelConfig(
             path=args.model, dtype=dtype, device=device, seed=args.seed, quantization=args.quantization
@@ -73,6 +85,7 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         scheduler=args.scheduler_config(max_model_len),
         structured=StructuredOutputConfig(args.enable_jump_forward, jump_forward_limit),
         tokenizer=args.tokenizer or args.model,
+        speculative=speculative,
         check_invariants=os.environ.get("PAGODA_CHECK_INVARIANTS", "") not in ("", "0"),
     )
 

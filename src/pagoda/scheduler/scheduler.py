@@ -27,6 +27,7 @@ class SchedulerStats:
     num_computed_tokens: int = 0  # tokens run through the model (prompt, recompute and decode)
     num_steps: int = 0  # forward passes
     num_sequence_steps: int = 0  # forward passes summed over the sequences in them
+    num_rejected_draft_tokens: int = 0  # draft tokens computed and then thrown away
 
 
 class Scheduler:
@@ -168,6 +169,7 @@ class Scheduler:
                 req.num_computed_tokens -= k - result.num_accepted_drafts
                 del req.token_ids[-k:]
                 req.num_draft_tokens = 0
+                self.stats.num_rejected_draft_tokens += k - result.num_accepted_drafts
             for tok in result.tokens:
                 req.append_token(tok)
                 if req.check_stop(max_len):
@@ -179,6 +181,9 @@ class Scheduler:
                 self._finish(req)
             else:
                 self.kv.cache(req)
+                if k:
+                    # Blocks that held only rejected drafts go back to the pool now.
+                    self.kv.trim(req)
                 req.token_ids.extend(result.drafts)
                 req.num_draft_tokens = len(result.drafts)
             changed.append(req)

@@ -58,6 +58,10 @@ class ServerMetrics:
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens served by the prefix cache.")
+        # Speculative decoding (every proposer, grammar-forced drafts included), counted when verified.
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Draft spans verified.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.itl = histogram(
             "vllm:inter_token_latency_seconds", "Time between outputs of a request.", _ITL_BUCKETS
@@ -67,7 +71,7 @@ class ServerMetrics:
             "vllm:request_success", "Finished requests.", [*labels, "finished_reason"], registry=self.registry
         )
         self.model_name = model_name
-        self._seen = (0, 0, 0)  # preemptions, prefix queries, prefix hits: totals already counted
+        self._seen = (0,) * 6  # the totals below, as already counted
 
     def on_step(self, outputs: list[RequestOutput], stats: StepStats) -> None:
         for req in stats.requests:
@@ -76,10 +80,23 @@ class ServerMetrics:
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
         self.kv_usage.set(engine.kv_usage)
-        totals = (engine.num_preemptions, engine.prefix_cache_queries, engine.prefix_cache_hits)
-        for counter, new, old in zip(
-            (self.preemptions, self.prefix_queries, self.prefix_hits), totals, self._seen, strict=True
-        ):
+        totals = (
+            engine.num_preemptions,
+            engine.prefix_cache_queries,
+            engine.prefix_cache_hits,
+            engine.spec_num_drafts,
+            engine.spec_num_draft_tokens,
+            engine.spec_num_accepted_tokens,
+        )
+        counters = (
+            self.preemptions,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.spec_drafts,
+            self.spec_draft_tokens,
+            self.spec_accepted,
+        )
+        for counter, new, old in zip(counters, totals, self._seen, strict=True):
             if new > old:
                 counter.inc(new - old)
         self._seen = totals

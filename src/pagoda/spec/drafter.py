@@ -1,0 +1,96 @@
+"""The engine core's one place that writes draft tokens: after a step's tokens are verified, each
+proposer in turn may extend a request's drafts for the next step.
+
+Proposers, in order (each continues the drafts of those before it):
+- grammar-forced tokens (structured output's jump-forward): what the grammar allows only;
+- n-gram prompt lookup (`speculative_config` method "ngram"), filtered by the request's grammar.
+
+Exactness does not depend on a proposer: the sampler keeps a draft only where sampling the target
+model would have chosen it anyway (greedy, or the same seeded draw), so outputs are those without
+speculation. A proposer only decides how many forward passes that takes.
+
+The load gate: speculative drafts only while at most `SpeculativeConfig.max_running` requests
+run (grammar-forced ones under `StructuredOutputConfig.jump_forward_max_running`). A request in
+a large decode batch gains little from saving a step, and on a compute-bound CPU every rejected
+draft token costs a token of work (see pagoda.engine.resolve).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagoda.config import SpeculativeConfig, StructuredOutputConfig
+from pagoda.request import Request
+from pagoda.spec.ngram import ngram_propose
+
+if TYPE_CHECKING:
+    from pagoda.structured import GrammarManager
+
+
+@dataclass
+class SpecDecodeStats:
+    """Totals since the engine started, counted when drafts are verified (vLLM's counters)."""
+
+    num_drafts: int = 0  # verified draft spans (a request's drafts in one step)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_jump_forward_tokens: int = 0  # grammar-forced drafts proposed
+
+
+class Drafter:
+    def __init__(
+        self, spec: SpeculativeConfig | None, structured: StructuredOutputConfig, max_model_len: int
+    ):
+        self.spec = spec
+        self.structured = structured
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats()
+
+    def record_verified(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts:
+            self.stats.num_drafts += 1
+            self.stats.num_draft_tokens += num_drafts
+            self.stats.num_accepted_tokens += num_accepted
+
+    def propose(
+        self, req: Request, tokens: list[int], num_running: int, grammars: GrammarManager | None
+    ) -> list[int]:
+        """Draft tokens to follow `tokens` (this step's verified tokens of `req`, not yet appended).
+        A constrained request's grammar is left past its drafts (the next step's masks walk it back)."""
+        if tokens[-1] in req.stop_token_ids:
+            return []
+        verified = req.num_tokens - req.num_draft_tokens + len(tokens)  # once this step is applied
+        # Room for the drafts and the token sampled after them, within max_tokens and the context.
+        room = min(req.max_tokens - (verified - req.num_prompt_tokens), self.max_model_len - verified) - 1
+        if room <= 0:
+            return []
+        drafts: list[int] = []
+        grammar = req.grammar
+        if grammar is not None:
+            if grammar.is_terminated():
+                return []
+            limit = self.structured.jump_forward_max_running
+            if self.structured.enable_jump_forward and (limit is None or num_running <= limit):
+                history = req.output_token_ids + tokens
+                drafts = grammars.jump_forward(grammar, history, max_tokens=room)
+                self.stats.num_jump_forward_tokens += len(drafts)
+        spec = self.spec
+        if spec is None or num_running > spec.max_running_or_unlimited:
+            return drafts
+        want = min(spec.num_speculative_tokens, room) - len(drafts)
+        if want <= 0:
+            return drafts
+        verified_ids = req.token_ids[: req.num_tokens - req.num_draft_tokens] + tokens
+        more = ngram_propose(verified_ids + drafts, want, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if grammar is not None:
+            more = _allowed_prefix(grammar, more)
+        return drafts + more
+
+
+def _allowed_prefix(grammar, drafts: list[int]) -> list[int]:
+    """The drafts the grammar accepts in order (it is left past them)."""
+    for i, token in enumerate(drafts):
+        if grammar.is_terminated() or not grammar.accept_token(token):
+            return drafts[:i]
+    return drafts
