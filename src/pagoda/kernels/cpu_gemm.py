@@ -143,7 +143,7 @@ QWEN25_05B_SHAPES = (
 QWEN25_05B_LAYERS = 24
 
 
-def _median_time(fn: Callable[[], object], rounds: int) -> float:
+def median_time(fn: Callable[[], object], rounds: int) -> float:
     for _ in range(2):
         fn()
     samples = []
@@ -174,7 +174,7 @@ def bench(ms: list[int], rounds: int) -> None:
                 "fp32 F.linear": lambda x=x, wf=wf: F.linear(x.float(), wf),
                 "kernel": lambda x=x, p=packed: linear(x, p),
             }
-            times = {label: _median_time(fn, rounds) for label, fn in fns.items()}
+            times = {label: median_time(fn, rounds) for label, fn in fns.items()}
             gflop = 2 * m * n * k / 1e9
             cols = "  ".join(f"{label} {t * 1e3:8.3f}ms {gflop / t:4.0f}GF/s" for label, t in times.items())
             print(f"M={m:<5} {name:<12} {cols}", flush=True)

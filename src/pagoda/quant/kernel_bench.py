@@ -8,32 +8,19 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
 from pagoda.kernels import cpu_gemm
 from pagoda.kernels.build import available, status
+from pagoda.kernels.cpu_gemm import QWEN25_05B_LAYERS, QWEN25_05B_SHAPES, median_time
 from pagoda.kernels.cpu_quant import SUPPORTED, PackedQuant, dot_kind, linear, pack
 from pagoda.quant.formats import GGMLType
 from pagoda.quant.tensor import GGMLTensor
 
-# (name, N, K) of Qwen2.5-0.5B's linear layers (gate_up counts gate and up).
-SHAPES = (("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864))
-LAYERS = 24
-
-
-def _median_time(fn: Callable[[], object], rounds: int) -> float:
-    for _ in range(2):
-        fn()
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+# (name, N, K) of Qwen2.5-0.5B's linear layers (gate_up counts gate and up), without the LM head.
+SHAPES = tuple((name, n, k) for name, n, k, _ in QWEN25_05B_SHAPES if not name.startswith("lm_head"))
+LAYERS = QWEN25_05B_LAYERS
 
 
 def bench(types: list[str], ms: list[int], rounds: int) -> None:
@@ -84,7 +71,7 @@ def bench(types: list[str], ms: list[int], rounds: int) -> None:
                         cpu_gemm.linear(xs[name], p)
 
             scale = LAYERS / layers
-            tq, tb = _median_time(run_q, rounds) * scale, _median_time(run_b, rounds) * scale
+            tq, tb = median_time(run_q, rounds) * scale, median_time(run_b, rounds) * scale
             gmac = m * sum(n * k for _, n, k in SHAPES) * LAYERS / 1e9
             qbytes = sum(p.nbytes for p in quant.values()) * LAYERS
             print(
