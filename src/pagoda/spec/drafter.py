@@ -58,8 +58,8 @@ class Drafter:
     ) -> list[int]:
         """Draft tokens to follow `tokens` (this step's verified tokens of `req`, not yet appended).
         A constrained request's grammar is left past its drafts (the next step's masks walk it back)."""
-        if tokens[-1] in req.stop_token_ids:
-            return []
+        if (req.grammar is None and self.spec is None) or tokens[-1] in req.stop_token_ids:
+            return []  # the default path, once per request and step: nothing can propose
         verified = req.num_tokens - req.num_draft_tokens + len(tokens)  # once this step is applied
         # Room for the drafts and the token sampled after them, within max_tokens and the context.
         room = min(req.max_tokens - (verified - req.num_prompt_tokens), self.max_model_len - verified) - 1
