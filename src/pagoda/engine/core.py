@@ -8,7 +8,8 @@ found, a client that went away, a user abort, shutdown) goes through `abort_requ
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 
 from pagoda.cache.kv_manager import KVCacheManager
 from pagoda.config import EngineConfig
@@ -30,14 +31,20 @@ class _GrammarViolation(Exception):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, grammar_factory: Callable[[], GrammarManager] | None = None
+    ) -> None:
         self.config = config
         self.device = config.model.device
         self.runner = ModelRunner(config.model, config.cache)
         cache = config.cache
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.grammars: GrammarManager | None = None  # set by the engine on first structured request
+        # The core owns the grammar compiler and masker; it is made on the first structured request
+        # (its setup takes seconds) by `grammar_factory`, which holds the tokenizer the core lacks.
+        self._grammar_factory = grammar_factory
+        self._grammars: GrammarManager | None = None
+        self._grammar_lock = threading.Lock()  # front ends compile off the engine loop
         self.drafter = Drafter(config.speculative, config.structured, config.max_model_len)
         self.num_jump_forward_accepted = 0  # grammar-forced drafts that sampling confirmed
 
@@ -85,6 +92,20 @@ class EngineCore:
             )
             for r in finished
         ]
+
+    @property
+    def grammars(self) -> GrammarManager | None:
+        """The grammar compiler and masker once a structured request has made it; None before."""
+        return self._grammars
+
+    def grammar_manager(self) -> GrammarManager:
+        """The grammar compiler and masker, made on first use (thread-safe)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                if self._grammar_factory is None:
+                    raise ValueError("this engine core has no tokenizer to build grammars from")
+                self._grammars = self._grammar_factory()
+            return self._grammars
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import threading
 import time
 from concurrent.futures import Future
 
@@ -26,11 +25,10 @@ class LLMEngine:
         self.args = args  # as the user gave them
         self.config = resolve_engine_config(args)  # what the engine runs with
         self.tokenizer = load_tokenizer(self.config.tokenizer)
-        self.core = EngineCore(self.config)
         self.eos_token_ids = eos_token_ids(self.tokenizer, args.model)
+        self.core = EngineCore(self.config, self._make_grammar_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self._grammar_lock = threading.Lock()
         # What the last step (or abort) did, for an observer such as the server's metrics.
         self.last_step_stats = StepStats(self.core.stats())
 
@@ -116,27 +114,23 @@ class LLMEngine:
             self.core.add_request(msg)
         return request_id
 
-    @property
-    def grammars(self) -> GrammarManager:
-        """The grammar compiler and masker, made on first use (its setup takes seconds)."""
-        with self._grammar_lock:
-            if self.core.grammars is None:
-                # Compact JSON (no free whitespace): fixed keys and punctuation become forced
-                # strings that jump-forward can append without decoding.
-                self.core.grammars = GrammarManager.from_tokenizer(
-                    self.tokenizer,
-                    vocab_size=self.vocab_size,
-                    eos_token_ids=self.eos_token_ids,
-                    config=GrammarConfig(
-                        any_whitespace=False, compile_timeout_s=self.args.limits.grammar_compile_timeout
-                    ),
-                )
-            return self.core.grammars
+    def _make_grammar_manager(self) -> GrammarManager:
+        """The core's grammar compiler and masker, built from this engine's tokenizer. Compact JSON
+        (no free whitespace): fixed keys and punctuation become forced strings that jump-forward can
+        append without decoding."""
+        return GrammarManager.from_tokenizer(
+            self.tokenizer,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            config=GrammarConfig(
+                any_whitespace=False, compile_timeout_s=self.args.limits.grammar_compile_timeout
+            ),
+        )
 
     def compile_grammar(self, spec: StructuredOutputs) -> Future[CompiledGrammar]:
         """Compile off the engine loop (thread-safe); a malformed spec raises ValueError here, a
         failed compile makes the future raise ValueError."""
-        return self.grammars.compile_async(spec)
+        return self.core.grammar_manager().compile_async(spec)
 
     def wait_for_grammar_compiles(self, timeout: float | None) -> bool:
         """False if a grammar compile is still running after `timeout` seconds."""
