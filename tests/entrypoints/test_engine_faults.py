@@ -102,7 +102,7 @@ def _start_with(server: ServerProcess, cmd: list[str]) -> None:
 
 def test_health_turns_503_when_the_engine_dies(tiny_llama_dir: str, monkeypatch) -> None:
     engine = LLMEngine(EngineArgs(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64))
-    model = engine.core.runner.model
+    model = engine.core.executor.worker.model
 
     def failing(*args, **kwargs):
         raise RuntimeError("injected fault")

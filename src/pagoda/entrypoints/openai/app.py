@@ -226,6 +226,7 @@ def run_server(engine_args: EngineArgs, config: ServerArgs) -> int:
         server.run()
     finally:
         state.engine.shutdown()
+        engine.shutdown()  # the tensor-parallel ranks, if any
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     code = 0 if state.engine.error is None else 1
