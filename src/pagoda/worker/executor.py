@@ -20,8 +20,11 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from multiprocessing import connection as mp_connection
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +32,7 @@ import torch
 from pagoda.config import CacheConfig, ModelConfig, ParallelConfig
 from pagoda.distributed import (
     DistributedInitError,
+    ParallelGroup,
     control_group,
     destroy_distributed,
     free_port,
@@ -57,6 +61,10 @@ class Executor(ABC):
     @abstractmethod
     def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
         """More rows of the last forward pass through the LM head."""
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:  # noqa: B027 (no other rank)
+        """Call `on_failure(why)` from a watcher thread if another rank of this node exits while
+        the executor runs (a server stops then, even when idle)."""
 
     def shutdown(self) -> None:  # noqa: B027 (nothing to release in-process)
         """Stop the other ranks and leave the process group (idempotent)."""
@@ -124,17 +132,7 @@ class MultiprocExecutor(Executor):
             proc.start()
         try:
             pin_rank(0, parallel.local_size, parallel.threads_per_rank)
-            try:
-                group = init_distributed(
-                    0,
-                    parallel.tensor_parallel_size,
-                    parallel.master_addr,
-                    parallel.master_port,
-                    device=model.device,
-                    timeout_s=parallel.timeout_s,
-                )
-            except DistributedInitError as err:
-                raise ExecutorError(f"{err}{self._exit_codes()}") from None
+            group = self._join(model.device)
             self.ctrl = control_group(group)
             # Every rank allocates the same blocks; each holds its own KV heads of them.
             self._guard(lambda: self.ctrl.broadcast_object((model, cache)))
@@ -152,6 +150,40 @@ class MultiprocExecutor(Executor):
             parallel.nnodes,
             sorted(os.sched_getaffinity(0)),
         )
+
+    def _join(self, device: torch.device) -> ParallelGroup:
+        """Form the group, failing as soon as a local rank dies before joining (a remote one that
+        never joins fails it after `timeout_s`)."""
+        parallel = self.parallel
+        result: list = []
+
+        def join() -> None:
+            try:
+                result.append(
+                    init_distributed(
+                        0,
+                        parallel.tensor_parallel_size,
+                        parallel.master_addr,
+                        parallel.master_port,
+                        device=device,
+                        timeout_s=parallel.timeout_s,
+                    )
+                )
+            except DistributedInitError as err:
+                result.append(err)
+
+        thread = threading.Thread(target=join, name="pagoda-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            if self._dead():
+                # The join waits on it until its timeout; this process is failing anyway.
+                raise ExecutorError(
+                    f"tensor-parallel ranks did not start{self._exit_codes()} (its log says why)"
+                )
+        if isinstance(result[0], DistributedInitError):
+            raise ExecutorError(f"{result[0]}{self._exit_codes()}")
+        return result[0]
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor | None:
         return self._step(batch, lambda: self.worker.execute(batch))
@@ -200,6 +232,22 @@ class MultiprocExecutor(Executor):
             return ""
         return "; " + ", ".join(f"rank {r} exited with code {self.procs[r].exitcode}" for r in dead)
 
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        sentinels = {p.sentinel: rank for rank, p in self.procs.items()}
+
+        def loop() -> None:
+            ready = mp_connection.wait(list(sentinels))
+            if self._closed:
+                return
+            rank = sentinels[ready[0]]
+            self.procs[rank].join(timeout=1)
+            self.failed = f"tensor-parallel rank {rank} exited (exit code {self.procs[rank].exitcode})"
+            logger.error("%s", self.failed)
+            on_failure(self.failed)
+
+        if sentinels:
+            threading.Thread(target=loop, name="pagoda-tp-watch", daemon=True).start()
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -239,6 +287,8 @@ def run_worker(spec: RankSpec) -> None:
     parallel = spec.parallel
     rank = parallel.global_rank(spec.local_rank)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
+    # Ctrl-C reaches the whole process group: rank 0 (or the headless parent) stops this rank.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         pin_rank(spec.local_rank, parallel.local_size, parallel.threads_per_rank)
         device = _rank_device(spec.device_type, spec.local_rank)
@@ -266,8 +316,6 @@ def run_worker(spec: RankSpec) -> None:
             else:
                 raise TypeError(f"unexpected message {type(message).__name__}")
         destroy_distributed()
-    except KeyboardInterrupt:
-        os._exit(130)
     except BaseException:
         logger.exception("rank %d failed", rank)
         logging.shutdown()
