@@ -91,7 +91,9 @@ class EngineArgs:
     node_rank: int = arg(0, help="this machine's index among --nnodes; node 0 schedules and serves")
     master_addr: str = arg("127.0.0.1", help="address of node 0, where the ranks meet")
     master_port: int | None = arg(
-        None, help="port on node 0 where the ranks meet", default_text="a free port (one node); 29500 (several)"
+        None,
+        help="port on node 0 where the ranks meet",
+        default_text="a free port (one node); 29500 (several)",
     )
     headless: bool = arg(
         False, help="a node other than 0: run only this node's worker ranks (no scheduler, no server)"
@@ -219,7 +221,9 @@ class ParallelConfig:
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("master_port must be given when the ranks span several nodes")
         if not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:
-            raise ValueError(f"distributed_timeout must be a positive number of seconds, got {self.timeout_s!r}")
+            raise ValueError(
+                f"distributed_timeout must be a positive number of seconds, got {self.timeout_s!r}"
+            )
         if self.headless and self.node_rank == 0:
             raise ValueError("node 0 schedules and serves; only a node with node_rank > 0 runs --headless")
         if self.node_rank > 0 and not self.headless:

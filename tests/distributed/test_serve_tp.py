@@ -42,7 +42,10 @@ def test_two_nodes_as_two_process_groups_serve_what_one_rank_serves(tiny_llama_d
     port = free_port()
     common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1"]
     common += ["--master-port", str(port), "--distributed-timeout", "120"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (SRC_DIR, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (SRC_DIR, os.environ.get("PYTHONPATH")) if p),
+    }
     headless_log = open(Path(ServerProcess(tiny_llama_dir, []).log_path), "wb")  # noqa: SIM115
     headless = subprocess.Popen(
         [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", tiny_llama_dir, *FLAGS, *common]

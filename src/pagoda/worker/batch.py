@@ -39,7 +39,9 @@ class ForwardBatch:
             slot_mapping=self.slot_mapping.to(device, non_blocking=True),
             block_tables=self.block_tables.to(device, non_blocking=True),
             seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-            query_start_loc=torch.tensor(self.query_start_loc, dtype=torch.int32).to(device, non_blocking=True),
+            query_start_loc=torch.tensor(self.query_start_loc, dtype=torch.int32).to(
+                device, non_blocking=True
+            ),
             num_decodes=self.num_decodes,
             seq_lens_cpu=self.seq_lens,
             query_start_loc_cpu=self.query_start_loc,

@@ -24,8 +24,8 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from multiprocessing import connection as mp_connection
 from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
 
 import torch
 
