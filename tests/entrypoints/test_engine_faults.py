@@ -29,9 +29,9 @@ pytestmark = pytest.mark.timeout(240)
 _FAULTY_SERVE = textwrap.dedent(
     """
     import os, sys
-    from pagoda.worker import model_runner
+    from pagoda.worker import worker
 
-    load = model_runner.load_model
+    load = worker.load_model
     fail_at = int(os.environ["PAGODA_TEST_FAIL_AT"])
 
     def faulty_load(*args, **kwargs):
@@ -47,7 +47,7 @@ _FAULTY_SERVE = textwrap.dedent(
         model.forward = failing
         return model
 
-    model_runner.load_model = faulty_load
+    worker.load_model = faulty_load
     from pagoda.entrypoints.cli import main
     sys.exit(main(sys.argv[1:]))
     """
