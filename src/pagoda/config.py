@@ -224,6 +224,8 @@ class ParallelConfig:
             raise ValueError(
                 f"distributed_timeout must be a positive number of seconds, got {self.timeout_s!r}"
             )
+        if self.tensor_parallel_size == 1 and self.master_port:
+            raise ValueError("master_port is where tensor-parallel ranks meet; tensor_parallel_size is 1")
         if self.headless and self.node_rank == 0:
             raise ValueError("node 0 schedules and serves; only a node with node_rank > 0 runs --headless")
         if self.node_rank > 0 and not self.headless:

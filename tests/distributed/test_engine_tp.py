@@ -89,11 +89,19 @@ def test_a_shape_that_cannot_be_split_fails_before_any_rank_starts(tiny_model_di
         (dict(threads_per_rank=0), "threads_per_rank must be a positive integer"),
         (dict(master_port=70000), "master_port must be a port number"),
         (dict(distributed_timeout=0), "distributed_timeout must be a positive number"),
+        (dict(master_port=29500), "tensor_parallel_size is 1"),
     ],
 )
 def test_parallel_settings_are_validated(tiny_model_dirs, kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=tiny_model_dirs["Qwen2ForCausalLM"], **kwargs)
+
+
+def test_threads_per_rank_pins_a_single_rank_too(tiny_model_dirs):
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    with LLM(tiny_model_dirs["Qwen2ForCausalLM"], dtype="float32", num_kv_blocks=16, threads_per_rank=1):
+        assert len(os.sched_getaffinity(0)) == 1 and torch.get_num_threads() == 1
+    assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads
 
 
 def test_a_headless_node_is_not_an_engine(tiny_model_dirs):

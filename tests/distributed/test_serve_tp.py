@@ -104,3 +104,14 @@ def test_a_killed_worker_rank_fails_the_request_and_the_server_exits_within_the_
         assert "tensor-parallel" in log and "exit code -9" in log, log[-3000:]
     finally:
         server.kill()
+
+
+def test_an_idle_server_whose_worker_rank_dies_exits(tiny_llama_dir):
+    server = ServerProcess(tiny_llama_dir, [*FLAGS, "--tensor-parallel-size", "2"]).start()
+    try:
+        for pid in _children(server.process.pid):
+            os.kill(pid, signal.SIGKILL)
+        assert server.process.wait(EXIT_BOUND_S) == 1
+        assert "tensor-parallel rank 1 exited (exit code -9)" in server.log()
+    finally:
+        server.kill()

@@ -71,10 +71,22 @@ class Executor(ABC):
 
 
 class UniprocExecutor(Executor):
-    def __init__(self, model: ModelConfig, cache: CacheConfig) -> None:
+    """One rank in this process; with `threads_per_rank` it is pinned to that many cores (given
+    back at shutdown), as a rank of a larger group would be."""
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, threads_per_rank: int | None = None) -> None:
+        self._saved = None
+        if threads_per_rank is not None:
+            self._saved = (os.sched_getaffinity(0), torch.get_num_threads())
+            pin_rank(0, 1, threads_per_rank)
         self.worker = Worker(model, cache)
         self.vocab_size = self.worker.vocab_size
         self.weight_format = self.worker.weight_format
+
+    def shutdown(self) -> None:
+        if self._saved is not None:
+            _restore(self._saved)
+            self._saved = None
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor | None:
         return self.worker.execute(batch)
@@ -85,7 +97,7 @@ class UniprocExecutor(Executor):
 
 def make_executor(model: ModelConfig, cache: CacheConfig, parallel: ParallelConfig) -> Executor:
     if parallel.tensor_parallel_size == 1:
-        return UniprocExecutor(model, cache)
+        return UniprocExecutor(model, cache, parallel.threads_per_rank)
     return MultiprocExecutor(model, cache, parallel)
 
 
@@ -274,10 +286,14 @@ class MultiprocExecutor(Executor):
                 proc.join(timeout=5)
 
     def _restore(self) -> None:
-        """Give this process its cores and threads back (an engine in a larger program)."""
-        affinity, threads = self._saved
-        os.sched_setaffinity(0, affinity)
-        torch.set_num_threads(threads)
+        _restore(self._saved)
+
+
+def _restore(saved: tuple[set[int], int]) -> None:
+    """Give this process its cores and threads back (an engine in a larger program)."""
+    affinity, threads = saved
+    os.sched_setaffinity(0, affinity)
+    torch.set_num_threads(threads)
 
 
 def run_worker(spec: RankSpec) -> None:
