@@ -263,11 +263,20 @@ def _run_generate(args: argparse.Namespace) -> int:
         _stream_reply(engine, args.prompt, params)
     except ValueError as exc:
         return _fail("generate", str(exc))
+    finally:
+        engine.shutdown()  # the tensor-parallel ranks, if any
     return 0
 
 
 def _run_chat(args: argparse.Namespace) -> int:
     engine, params = _load_engine("chat", args)
+    try:
+        return _chat_loop(engine, params, args)
+    finally:
+        engine.shutdown()  # the tensor-parallel ranks, if any
+
+
+def _chat_loop(engine, params, args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = list(system)
     interactive = sys.stdin.isatty()
