@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.config import EngineArgs, ParallelConfig
 from pagoda.engine.resolve import kv_bytes_per_block, resolve_engine_config
 from pagoda.models.hf_config import parse_hf_config, read_hf_config
+from pagoda.worker.executor import ExecutorError
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 MAX_NEW = 8
@@ -56,6 +58,32 @@ def test_sizes_two_and_four_match_size_one_and_transformers(tiny_model_dirs, arc
         assert tp_stats == stats  # the same schedule: rank 0's scheduler is the same
         # This process (rank 0) got its cores and threads back.
         assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads
+
+
+def test_a_dead_rank_fails_the_step_and_another_engine_can_start(tiny_model_dirs):
+    path = tiny_model_dirs["Qwen2ForCausalLM"]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    executor = llm.engine.core.executor
+    executor.procs[1].kill()
+    executor.procs[1].join()
+    with pytest.raises(ExecutorError, match=r"tensor-parallel rank 1 exited \(exit code -9\)"):
+        llm.generate([[5, 6, 7]], params)
+    start = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - start < 10
+    # Rank 0's own failure (the model raises): the step fails, shutdown stops the other rank.
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as llm:
+        model = llm.engine.core.executor.worker.model
+
+        def failing(*args, **kwargs):
+            raise RuntimeError("injected fault")
+
+        model.forward = failing
+        with pytest.raises(RuntimeError, match="injected fault"):
+            llm.generate([[5, 6, 7]], params)
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as llm:
+        assert llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
 
 
 def test_kv_blocks_are_sized_from_each_ranks_kv_heads(tiny_model_dirs):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
 
 import torch
+import torch.distributed as dist
 
 from pagoda.config import CacheConfig, ModelConfig, ParallelConfig
 from pagoda.distributed import (
@@ -217,11 +218,15 @@ class MultiprocExecutor(Executor):
         return self._guard(both)
 
     def _guard(self, fn):
-        """Run `fn` (collectives); a collective that fails becomes an ExecutorError naming why."""
+        """Run `fn` (collectives); a collective that fails becomes an ExecutorError naming why.
+        After any failure the other ranks may be inside a collective: shutdown kills them."""
         try:
             return fn()
-        except RuntimeError as err:  # torch.distributed's errors (DistBackendError, timeouts)
-            if isinstance(err, ExecutorError):
+        except ExecutorError:
+            raise
+        except RuntimeError as err:
+            if not _is_collective_error(err) and not self._dead():
+                self.failed = f"rank 0 failed: {err!r}"  # its own failure (the model raised)
                 raise
             # A rank that died is seen by its peers' sockets before its exit code is collected.
             deadline = time.monotonic() + 2.0
@@ -229,6 +234,9 @@ class MultiprocExecutor(Executor):
                 time.sleep(0.05)
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             self._fail(f"a tensor-parallel collective failed ({first}){self._exit_codes()}")
+        except BaseException as err:
+            self.failed = f"rank 0 failed: {err!r}"
+            raise
 
     def _fail(self, why: str) -> None:
         self.failed = why
@@ -269,12 +277,9 @@ class MultiprocExecutor(Executor):
                 self.ctrl.broadcast_object(Shutdown())
             except RuntimeError:
                 self.failed = "a rank was gone at shutdown"
+        # After a failure the other ranks may sit in a collective: stop them before leaving.
         self._stop_workers(kill=self.failed is not None)
-        if self.failed is None:
-            destroy_distributed()
-        else:
-            # Tearing down a group with a dead peer may block on it: leave it to process exit.
-            logger.warning("leaving the tensor-parallel group without tearing it down (a rank failed)")
+        destroy_distributed()
         self._restore()
 
     def _stop_workers(self, kill: bool) -> None:
@@ -287,6 +292,13 @@ class MultiprocExecutor(Executor):
 
     def _restore(self) -> None:
         _restore(self._saved)
+
+
+def _is_collective_error(err: RuntimeError) -> bool:
+    """torch.distributed's failures: DistError (timeouts), or gloo's plain RuntimeError for a
+    peer whose connection closed."""
+    text = str(err).lower()
+    return isinstance(err, dist.DistError) or "gloo" in text or "nccl" in text
 
 
 def _restore(saved: tuple[set[int], int]) -> None:
