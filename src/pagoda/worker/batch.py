@@ -17,7 +17,7 @@ from pagoda.attention.metadata import AttentionMetadata
 
 @dataclass
 class ForwardBatch:
-    """T new tokens of B sequences, decodes (one new token each) first.
+    """T new tokens of B sequences, fewest new tokens first (decodes lead).
 
     Sequence i's tokens are `input_ids[query_start_loc[i]:query_start_loc[i + 1]]`; see
     `AttentionMetadata` for the rest. All tensors are on the CPU (each worker moves them to its

@@ -54,8 +54,9 @@ class ModelRunner:
         """Run the step's forward pass and sample every row that needs it in one sampler call:
         one row per request that reached its last known token, plus one per draft token. The
         prompt positions owed prompt logprobs in this step's chunks are scored too."""
-        # Decodes (one new token) first: the attention backend batches them in one call.
-        batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Fewest new tokens first (decodes, then verification steps and short chunks): the
+        # attention backend batches the leading short ones in one call.
+        batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens)
         query_start = [0]
         for s in batch:
             query_start.append(query_start[-1] + s.num_new_tokens)
