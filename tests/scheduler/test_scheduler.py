@@ -25,10 +25,17 @@ class FakeKV:
         self.bs = bs
 
     def run(self, sched, scheduler: Scheduler) -> dict[str, SampledTokens]:
-        for src, dst in sched.block_copies:
-            for off in range(self.bs):
-                if src * self.bs + off in self.slots:
-                    self.slots[dst * self.bs + off] = self.slots[src * self.bs + off]
+        # All of a step's copies at once, as the runner makes them (read every source, then write).
+        copied = {
+            dst * self.bs + off: self.slots.get(src * self.bs + off)
+            for src, dst in sched.block_copies
+            for off in range(self.bs)
+        }
+        for slot, token in copied.items():
+            if token is None:
+                self.slots.pop(slot, None)
+            else:
+                self.slots[slot] = token
         sampled = {}
         for s in sched.scheduled:
             req = s.request
@@ -114,8 +121,26 @@ def test_full_hit_recomputes_the_last_token_only_in_a_private_block():
     run_all(sched, kv, [req("a", prompt, 3)])
     b = req("b", prompt, 3)
     run_all(sched, kv, [b])
-    assert b.num_cached_tokens == 12  # the last block is recomputed, never written in place
+    # The last block's first three tokens come from a copy (never written in place); the last
+    # token is recomputed for its logits.
+    assert b.num_cached_tokens == 15
     assert b.output_token_ids == reference(prompt, 3)
+
+
+def test_a_finished_requests_tail_serves_the_next_token_by_token():
+    sched, kv, kvm = make()
+    system = list(range(10))  # two whole blocks of 4, then 8 and 9
+    run_all(sched, kv, [req("a", system + [40], 2)])
+    b = req("b", system + [41, 42], 2)
+    run_all(sched, kv, [b])
+    assert b.num_cached_tokens == 10  # the whole blocks and the two tokens of the tail
+    assert b.output_token_ids == reference(system + [41, 42], 2)
+    others = [req(f"c{i}", system + [50 + i, 1, 2], 3) for i in range(6)]
+    run_all(sched, kv, others)
+    for r in others:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 3)
+    kvm.reset_prefix_cache()
+    assert kvm.pool.num_free == kvm.num_blocks
 
 
 def test_n_samples_fork_the_prompt_once():
@@ -140,6 +165,21 @@ def test_n_samples_fork_the_prompt_once():
     assert [r.num_cached_tokens for r in others] == [9, 9, 9]
 
 
+def test_forks_of_a_request_admitted_from_a_tail_copy_its_source():
+    # "f-0" is admitted from the cached tail of "a" (a pending copy), and its forks in the same
+    # step copy f-0's partly filled block: they must copy the tail itself, since the runner makes
+    # a step's copies all at once.
+    sched, kv, _kvm = make()
+    prompt = list(range(10))
+    run_all(sched, kv, [req("a", prompt, 1)])
+    first = req("f-0", prompt + [77], 5)
+    forks = [req(f"f-{i}", prompt + [77], 5, fork_source=first) for i in (1, 2)]
+    run_all(sched, kv, [first, *forks])
+    for r in [first, *forks]:
+        assert r.output_token_ids == reference(prompt + [77], 5), r.request_id
+    assert first.num_cached_tokens == 10
+
+
 def test_salted_requests_do_not_share():
     sched, kv, _kvm = make()
     prompt = list(range(20))
@@ -149,7 +189,7 @@ def test_salted_requests_do_not_share():
     run_all(sched, kv, [b])
     run_all(sched, kv, [c])
     assert b.num_cached_tokens == 0
-    assert c.num_cached_tokens == 16
+    assert c.num_cached_tokens == 19
 
 
 def test_preempted_request_finds_its_prefix_again():

@@ -197,8 +197,9 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """Give up the request's KV; its computed full blocks stay cached, so that it (after a
-        preemption), a sibling or the next turn of a conversation finds them."""
-        self.kv.cache(req)
+        preemption), a sibling or the next turn of a conversation finds them; so does its partly
+        filled last block, which it writes no more."""
+        self.kv.cache(req, final=True)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
 
