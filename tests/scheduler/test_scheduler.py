@@ -148,14 +148,7 @@ def test_n_samples_fork_the_prompt_once():
     prompt = list(range(10))
     first = req("p-0", prompt, 5)
     others = [req(f"p-{i}", prompt, 5, fork_source=first) for i in range(1, 4)]
-    computed = []
-    orig = kv.run
-
-    def counting_run(s, scheduler):
-        computed.append(s.num_tokens)
-        return orig(s, scheduler)
-
-    kv.run = counting_run
+    computed = _count_computed(kv)
     run_all(sched, kv, [first, *others])
     for r in [first, *others]:
         assert r.output_token_ids == reference(prompt, 5)
@@ -178,6 +171,43 @@ def test_forks_of_a_request_admitted_from_a_tail_copy_its_source():
     for r in [first, *forks]:
         assert r.output_token_ids == reference(prompt + [77], 5), r.request_id
     assert first.num_cached_tokens == 10
+
+
+def _count_computed(kv: FakeKV) -> list[int]:
+    computed: list[int] = []
+    orig = kv.run
+
+    def counting_run(s, scheduler):
+        computed.append(s.num_tokens)
+        return orig(s, scheduler)
+
+    kv.run = counting_run
+    return computed
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once():
+    # In-batch prefix caching: of four requests sharing 40 uncached tokens, one computes them
+    # while the others wait a step and then find them cached.
+    sched, kv, _kvm = make(budget=256)
+    shared = [(7 * j) % 50 for j in range(40)]
+    reqs = [req(f"r{i}", shared + [60 + i, 1, 2], 4) for i in range(4)]
+    computed = _count_computed(kv)
+    run_all(sched, kv, reqs)
+    for r in reqs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 4), r.request_id
+    assert [r.num_cached_tokens for r in reqs] == [0, 40, 40, 40]
+    assert computed[0] == 43  # the first alone; then its decode and the others' own 3 tokens
+    assert sum(computed) == 43 + 3 * 3 + 4 * 3
+
+
+def test_a_short_shared_prefix_does_not_hold_requests_back():
+    sched, kv, _kvm = make(budget=256)
+    reqs = [req(f"r{i}", [5, 6, 7, 8, 9, 10, 11, 12] + [60 + i] * 30, 2) for i in range(3)]
+    computed = _count_computed(kv)
+    run_all(sched, kv, reqs)
+    assert computed[0] == 3 * 38  # all admitted in the first step
+    for r in reqs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 2)
 
 
 def test_salted_requests_do_not_share():
