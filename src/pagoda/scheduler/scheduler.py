@@ -1,6 +1,7 @@
 """Token-budget scheduler: running requests first, then waiting ones; chunked prefill; recompute
 preemption. One rule for everything: each step, num_computed_tokens catches up with num_tokens as
-far as the token budget, max_num_seqs and the KV pool allow.
+far as the token budget, max_num_seqs and the KV pool allow (a waiting request whose next
+prompt blocks others compute in this step waits for them: in-batch prefix caching).
 
 The scheduler is the only writer of a request's `num_computed_tokens` and status; the KV manager
 owns its blocks (the scheduler sees them only as the block table it hands the runner)."""
@@ -131,8 +132,8 @@ class Scheduler:
                 elif src.status is not RequestStatus.RUNNING or src.num_computed_tokens < req.num_tokens - 1:
                     continue  # n > 1: wait until the sibling has computed the shared prompt
             elif computing and self._held_back(req, computing):
-                # In-batch prefix caching: another request computes this one's next block in
-                # this step, so it waits a step and then finds that block in the cache.
+                # In-batch prefix caching: others compute this one's next prompt blocks in this
+                # step, so it waits a step and then finds them in the cache.
                 continue
             alloc = self.kv.allocate_first(req, budget)
             if alloc is None:
