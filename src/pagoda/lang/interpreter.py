@@ -12,7 +12,7 @@ branch's first request starts from a prefix-cache hit instead of k requests comp
 compute the shared prompt while the others wait a step (in-batch prefix caching).
 An executor tracks how much of its text its last request already put in the cache (the prompt and
 output of a gen); when less than MIN_COMMIT_CHARS is new since then there is nothing worth a
-round trip (the cache keeps whole blocks only), and the commit is skipped.
+round trip, and the commit is skipped.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pagoda.lang.errors import UndefinedVariableError
 from pagoda.lang.ir import Expr, ExprList, Gen, GenParams, RoleBegin, RoleEnd, Select, Text, as_expr
 
 MAX_FORK = 512  # branches of one fork (each runs on a thread)
-# Text shorter than this (about one KV block of tokens, which is all the cache would keep of it) is
+# Text shorter than this (about one KV block of tokens: less compute than the round trip costs) is
 # not worth a commit: fork skips it when its uncached text is shorter, and run_batch
 # when the programs' common prefix is.
 MIN_COMMIT_CHARS = 64
