@@ -119,4 +119,60 @@ def test_drafts_get_blocks_and_rejected_ones_are_rewound_by_the_scheduler() -> N
     sched.check()
     sched.finish_requests(["r"], "abort")
     sched.check()
-    assert kv.radix.evictable_blocks == 2  # its two full computed blocks stay cached
+    # Its two full computed blocks stay cached, and its partly filled third (tokens 8 and 9) as a tail.
+    assert kv.radix.evictable_blocks == 3
+
+
+def test_a_cached_tail_is_copied_and_only_the_rest_computed() -> None:
+    """Token-granular hits: a finished request's partly filled last block stays cached as a tail;
+    a later request sharing part of it copies it and computes only its own tokens."""
+    kv = KVCacheManager(16, BS)
+    sched = Scheduler(SchedulerConfig(4, 64, 64, "fcfs"), kv)
+    a = req("a", list(range(10)))  # blocks [0-3] [4-7] [8, 9]
+    sched.add_request(a)
+    sched.update_from_output(sched.schedule(), {"a": SampledTokens([99])})
+    sched.finish_requests(["a"], "abort")  # computed 10 of its tokens; the tail holds 8 and 9
+    kv.check([])
+    assert kv.radix.evictable_blocks == 3
+    b = req("b", list(range(9)) + [50, 51])  # shares tokens 0-8 with a
+    alloc = kv.allocate_first(b, 64)
+    assert alloc == Allocation(9, 2)
+    blocks = kv.block_ids("b")
+    (copy,) = kv.take_copies()
+    assert copy[1] == blocks[2] and copy[0] not in blocks  # the tail is copied, never written
+    assert kv.stats.hit_tokens == 9
+    kv.check(["b"])
+    kv.free("b")
+    kv.check([])
+    # A tail never serves a request's last token, nor the positions whose prompt logprobs it owes.
+    c = req("c", list(range(10)))
+    assert kv.allocate_first(c, 64) == Allocation(9, 1)
+    kv.take_copies()
+    kv.free("c")
+    d = Request(
+        "d",
+        list(range(10)),
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, logprob_start_len=6),
+        max_tokens=1,
+    )
+    assert kv.allocate_first(d, 64) == Allocation(5, 5)
+    kv.take_copies()
+    kv.free("d")
+    kv.check([])
+
+
+def test_a_copy_source_evicted_while_allocating_is_never_handed_out() -> None:
+    kv = KVCacheManager(4, BS)
+    sched = Scheduler(SchedulerConfig(4, 64, 64, "fcfs"), kv)
+    a = req("a", list(range(6)))  # a whole block [0-3] and the tail [4, 5], both cached
+    sched.add_request(a)
+    sched.update_from_output(sched.schedule(), {"a": SampledTokens([99])})
+    sched.finish_requests(["a"], "abort")
+    assert kv.pool.num_free == 2 and kv.radix.evictable_blocks == 2
+    # b would copy the tail and needs 3 new blocks: evicting the tail (its copy source, held
+    # meanwhile) frees nothing, so b does not fit, and nothing leaks.
+    b = req("b", [0, 1, 2, 3, 4] + [9] * 11)
+    assert kv.allocate_first(b, 64) is None
+    assert kv.take_copies() == []
+    kv.check([])
+    assert kv.pool.num_free == 3 and kv.radix.evictable_blocks == 1

@@ -94,7 +94,8 @@ def test_insert_keeps_existing_blocks():
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["insert", "match", "unlock", "evict"]), st.integers(0, 2**16)), max_size=40
+        st.tuples(st.sampled_from(["insert", "match", "tail", "unlock", "evict"]), st.integers(0, 2**16)),
+        max_size=40,
     )
 )
 def test_random_operations_keep_invariants(ops):
@@ -126,6 +127,21 @@ def test_random_operations_keep_invariants(ops):
             pool.incref(blocks)
             held[next_id], locks[next_id] = blocks, node
             next_id += 1
+        elif op == "tail":
+            # A finished request's partly filled block, cached after some whole-block prefix.
+            prefix = [rng.randint(0, 1) for _ in range(rng.randint(0, 2) * BS)]
+            tail = [rng.randint(0, 1) for _ in range(rng.randint(1, BS - 1))]
+            node, _ = tree.match(prefix)
+            if pool.num_free == 0:
+                tree.evict(1)
+            if pool.num_free == 0 or tree.match_len(prefix) != len(prefix):
+                continue
+            (block,) = pool.allocate(1)
+            tree.insert_tail(node, tail, block)
+            pool.decref([block])  # the request is done: only the tree may hold it
+            part = tree.match_partial(node, tail + [0])
+            assert part is not None and part[1] >= len(tail) and part[1] < BS
+            assert part[0] in tree.cached_blocks()
         elif op == "unlock" and held:
             rid = rng.choice(sorted(held))
             tree.unlock(locks.pop(rid))

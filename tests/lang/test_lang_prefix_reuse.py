@@ -61,15 +61,16 @@ def test_fork_computes_the_shared_prompt_once(backend, lang_server) -> None:
     state = tree.run(context=shared, width=8, temperature=0, backend=backend)
     computed = backend.usage.computed_prompt_tokens - before.computed_prompt_tokens
     # The commit computes the 512 shared tokens once; each of the 8 branches finds all of them
-    # cached and computes only its own few tokens.
+    # cached (and, if a sibling finished first, the first tokens of its own line too) and
+    # computes only its own few tokens.
     metas = state["metas"]
-    assert [m["cached_tokens"] for m in metas] == [512] * 8
-    assert computed == 512 + sum(m["prompt_tokens"] - 512 for m in metas)
+    assert all(m["cached_tokens"] >= 512 for m in metas), metas
+    assert computed == 512 + sum(m["prompt_tokens"] - m["cached_tokens"] for m in metas)
     if isinstance(backend, pl.RuntimeEndpoint):
         after = wait_idle(lang_server.base_url)
         hits = after["vllm:prefix_cache_hits_total"] - server_before["vllm:prefix_cache_hits_total"]
         queries = after["vllm:prefix_cache_queries_total"] - server_before["vllm:prefix_cache_queries_total"]
-        assert hits == 8 * 512
+        assert hits == sum(m["cached_tokens"] for m in metas) >= 8 * 512
         assert queries - hits == computed
 
 

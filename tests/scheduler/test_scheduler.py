@@ -25,10 +25,17 @@ class FakeKV:
         self.bs = bs
 
     def run(self, sched, scheduler: Scheduler) -> dict[str, SampledTokens]:
-        for src, dst in sched.block_copies:
-            for off in range(self.bs):
-                if src * self.bs + off in self.slots:
-                    self.slots[dst * self.bs + off] = self.slots[src * self.bs + off]
+        # All of a step's copies at once, as the runner makes them (read every source, then write).
+        copied = {
+            dst * self.bs + off: self.slots.get(src * self.bs + off)
+            for src, dst in sched.block_copies
+            for off in range(self.bs)
+        }
+        for slot, token in copied.items():
+            if token is None:
+                self.slots.pop(slot, None)
+            else:
+                self.slots[slot] = token
         sampled = {}
         for s in sched.scheduled:
             req = s.request
@@ -114,8 +121,26 @@ def test_full_hit_recomputes_the_last_token_only_in_a_private_block():
     run_all(sched, kv, [req("a", prompt, 3)])
     b = req("b", prompt, 3)
     run_all(sched, kv, [b])
-    assert b.num_cached_tokens == 12  # the last block is recomputed, never written in place
+    # The last block's first three tokens come from a copy (never written in place); the last
+    # token is recomputed for its logits.
+    assert b.num_cached_tokens == 15
     assert b.output_token_ids == reference(prompt, 3)
+
+
+def test_a_finished_requests_tail_serves_the_next_token_by_token():
+    sched, kv, kvm = make()
+    system = list(range(10))  # two whole blocks of 4, then 8 and 9
+    run_all(sched, kv, [req("a", system + [40], 2)])
+    b = req("b", system + [41, 42], 2)
+    run_all(sched, kv, [b])
+    assert b.num_cached_tokens == 10  # the whole blocks and the two tokens of the tail
+    assert b.output_token_ids == reference(system + [41, 42], 2)
+    others = [req(f"c{i}", system + [50 + i, 1, 2], 3) for i in range(6)]
+    run_all(sched, kv, others)
+    for r in others:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 3)
+    kvm.reset_prefix_cache()
+    assert kvm.pool.num_free == kvm.num_blocks
 
 
 def test_n_samples_fork_the_prompt_once():
@@ -123,14 +148,7 @@ def test_n_samples_fork_the_prompt_once():
     prompt = list(range(10))
     first = req("p-0", prompt, 5)
     others = [req(f"p-{i}", prompt, 5, fork_source=first) for i in range(1, 4)]
-    computed = []
-    orig = kv.run
-
-    def counting_run(s, scheduler):
-        computed.append(s.num_tokens)
-        return orig(s, scheduler)
-
-    kv.run = counting_run
+    computed = _count_computed(kv)
     run_all(sched, kv, [first, *others])
     for r in [first, *others]:
         assert r.output_token_ids == reference(prompt, 5)
@@ -138,6 +156,58 @@ def test_n_samples_fork_the_prompt_once():
     # prompt once (10) + one recomputed prompt token per fork (3) + 4 tokens of decode each after the first
     assert sum(computed) == 10 + 3 + 4 * 4
     assert [r.num_cached_tokens for r in others] == [9, 9, 9]
+
+
+def test_forks_of_a_request_admitted_from_a_tail_copy_its_source():
+    # "f-0" is admitted from the cached tail of "a" (a pending copy), and its forks in the same
+    # step copy f-0's partly filled block: they must copy the tail itself, since the runner makes
+    # a step's copies all at once.
+    sched, kv, _kvm = make()
+    prompt = list(range(10))
+    run_all(sched, kv, [req("a", prompt, 1)])
+    first = req("f-0", prompt + [77], 5)
+    forks = [req(f"f-{i}", prompt + [77], 5, fork_source=first) for i in (1, 2)]
+    run_all(sched, kv, [first, *forks])
+    for r in [first, *forks]:
+        assert r.output_token_ids == reference(prompt + [77], 5), r.request_id
+    assert first.num_cached_tokens == 10
+
+
+def _count_computed(kv: FakeKV) -> list[int]:
+    computed: list[int] = []
+    orig = kv.run
+
+    def counting_run(s, scheduler):
+        computed.append(s.num_tokens)
+        return orig(s, scheduler)
+
+    kv.run = counting_run
+    return computed
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once():
+    # In-batch prefix caching: of four requests sharing 40 uncached tokens, one computes them
+    # while the others wait a step and then find them cached.
+    sched, kv, _kvm = make(budget=256)
+    shared = [(7 * j) % 50 for j in range(40)]
+    reqs = [req(f"r{i}", shared + [60 + i, 1, 2], 4) for i in range(4)]
+    computed = _count_computed(kv)
+    run_all(sched, kv, reqs)
+    for r in reqs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 4), r.request_id
+    assert [r.num_cached_tokens for r in reqs] == [0, 40, 40, 40]
+    assert computed[0] == 43  # the first alone; then its decode and the others' own 3 tokens
+    assert sum(computed) == 43 + 3 * 3 + 4 * 3
+
+
+def test_a_short_shared_prefix_does_not_hold_requests_back():
+    sched, kv, _kvm = make(budget=256)
+    reqs = [req(f"r{i}", [5, 6, 7, 8, 9, 10, 11, 12] + [60 + i] * 30, 2) for i in range(3)]
+    computed = _count_computed(kv)
+    run_all(sched, kv, reqs)
+    assert computed[0] == 3 * 38  # all admitted in the first step
+    for r in reqs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 2)
 
 
 def test_salted_requests_do_not_share():
@@ -149,7 +219,7 @@ def test_salted_requests_do_not_share():
     run_all(sched, kv, [b])
     run_all(sched, kv, [c])
     assert b.num_cached_tokens == 0
-    assert c.num_cached_tokens == 16
+    assert c.num_cached_tokens == 19
 
 
 def test_preempted_request_finds_its_prefix_again():

@@ -37,8 +37,10 @@ class KVRecord:
     |                               | blocks that cache() inserted)        | locks them against eviction |
     | next, n > 1 forks only        | the first sample's prompt blocks,    | one reference each          |
     |                               | shared, not (yet) in the tree        |                             |
-    | the rest                      | its own, freshly allocated (the copy | the only reference          |
-    |                               | of a partly filled shared block too) |                             |
+    | the rest                      | its own, freshly allocated; the first| the only reference          |
+    |                               | may be a copy of a partly matching   |                             |
+    |                               | block (a cached tail, a whole cached |                             |
+    |                               | block, or an n > 1 sibling's last)   |                             |
     `free()` gives back one reference on every block and unlocks `node`: what the tree or a sibling
     also holds stays, the rest returns to the pool.
     """
@@ -92,20 +94,21 @@ class KVCacheManager:
         return self.radix.match_len(request.token_ids[: request.num_cacheable_tokens], request.cache_salt)
 
     def allocate_first(self, request: Request, max_new_tokens: int) -> Allocation | None:
-        """Give a request that holds no blocks its KV record: its longest cached prefix, a sibling's
-        prompt KV (n > 1), then room for up to `max_new_tokens` more. None: they do not fit, and
-        nothing changed."""
+        """Give a request that holds no blocks its KV record: its longest cached prefix (whole
+        blocks, then the cached block that shares the most of what follows, copied), or a
+        sibling's prompt KV (n > 1), then room for up to `max_new_tokens` more. None: they do
+        not fit, and nothing changed."""
         if request.request_id in self._records:
             raise RuntimeError(f"{request.request_id} already holds KV blocks")
         bs = self.block_size
         total = request.num_tokens
         node, shared = None, []
+        copy_src: int | None = None  # a shared block holding the first tokens of the last one
+        # The last token is always computed (its logits are needed), so look up one less; a
+        # request owed prompt logprobs looks up only the tokens before the first it scores.
+        limit = request.num_cacheable_tokens
         if self.radix is not None:
-            # The last token is always computed (its logits are needed), so look up one less; a
-            # request owed prompt logprobs looks up only the tokens before the first it scores.
-            node, shared = self.radix.match(
-                request.token_ids[: request.num_cacheable_tokens], request.cache_salt
-            )
+            node, shared = self.radix.match(request.token_ids[:limit], request.cache_salt)
         num_cached_blocks = len(shared)
         num_computed = len(shared) * bs
         source = request.fork_source
@@ -115,25 +118,40 @@ class KVCacheManager:
             # are the sibling's own, so no radix lock is needed for them.
             num_computed = total - 1
             shared = shared + self.block_ids(source.request_id)[len(shared) : -(-num_computed // bs)]
+            if num_computed % bs:
+                copy_src = shared.pop()  # the sibling's partly filled block, written by it too
+        elif node is not None and num_computed < limit:
+            part = self.radix.match_partial(node, request.token_ids[num_computed:limit])
+            if part is not None:
+                copy_src, matched = part
+                num_computed += matched
+        num_hit = num_computed if source is None else num_cached_blocks * bs
         num_new = min(max_new_tokens, total - num_computed)
-        # The sibling's last block is partly filled and will be written: copy it first.
-        cow = num_computed % bs != 0
-        need = self.blocks_needed(num_computed + num_new) - len(shared) + cow
+        cow = copy_src is not None
+        if cow:
+            # The runner makes a step's copies all at once: a block that is itself being filled
+            # by a copy this step (a fork of a request admitted from the cache in the same
+            # step) is copied from that copy's source instead.
+            copy_src = next((src for src, dst in self._copies if dst == copy_src), copy_src)
+        need = self.blocks_needed(num_computed + num_new) - len(shared)
         if node is not None:
             self.radix.lock(node)  # before evicting, so the hit cannot be evicted
+        if cow:
+            self.pool.incref([copy_src])  # nor the block to copy, until the copy is handed out
         if not self._reserve(need):
             if node is not None:
                 self.radix.unlock(node)
+            if cow:
+                self.pool.decref([copy_src])
             return None
         if self.radix is not None:  # counted once the request is admitted, not per attempt
             self.stats.queried_tokens += total
-            self.stats.hit_tokens += num_cached_blocks * bs
+            self.stats.hit_tokens += num_hit
         self.pool.incref(shared)
         new_blocks = self.pool.allocate(need)
         if cow:
-            src = shared.pop()
-            self.pool.decref([src])
-            self._copies.append((src, new_blocks[0]))
+            # Copy-on-write: the request's first own block starts as a copy of the shared one.
+            self._copies.append((copy_src, new_blocks[0]))
         self._records[request.request_id] = KVRecord(
             shared + new_blocks, node, num_cached_blocks if node is not None else 0
         )
@@ -150,23 +168,30 @@ class KVCacheManager:
         record.blocks.extend(self.pool.allocate(need))
         return True
 
-    def cache(self, request: Request) -> None:
+    def cache(self, request: Request, *, final: bool = False) -> None:
         """Insert the request's newly completed blocks into the prefix cache, so the next turn of a
-        conversation, a sibling, or the request itself after preemption finds them."""
+        conversation, a sibling, or the request itself after preemption finds them. `final`: the
+        request writes no more KV (it finishes or is preempted; free() follows), so its partly
+        filled last block is cached too, as a tail."""
         record = self._records.get(request.request_id)
         if self.radix is None or record is None:
             return
         done = record.num_cached_blocks
-        full = request.num_computed_tokens // self.block_size
-        if full <= done:
-            return
         bs = self.block_size
-        parent = record.node or self.radix.root(request.cache_salt)
-        node = self.radix.insert(parent, request.token_ids[done * bs : full * bs], record.blocks[done:full])
-        self.radix.lock(node)
-        if record.node is not None:
-            self.radix.unlock(record.node)
-        record.node, record.num_cached_blocks = node, full
+        full = request.num_computed_tokens // bs
+        if full > done:
+            parent = record.node or self.radix.root(request.cache_salt)
+            node = self.radix.insert(
+                parent, request.token_ids[done * bs : full * bs], record.blocks[done:full]
+            )
+            self.radix.lock(node)
+            if record.node is not None:
+                self.radix.unlock(record.node)
+            record.node, record.num_cached_blocks = node, full
+        if final and request.num_computed_tokens % bs and full == record.num_cached_blocks:
+            parent = record.node or self.radix.root(request.cache_salt)
+            tokens = request.token_ids[full * bs : request.num_computed_tokens]
+            self.radix.insert_tail(parent, tokens, record.blocks[full])
 
     def trim(self, request: Request) -> None:
         """Give back the blocks past the request's computed tokens (after its rejected drafts were
@@ -188,7 +213,11 @@ class KVCacheManager:
         self.pool.decref(record.blocks)
 
     def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies the runner must make before this step's forward pass. Each source
+        was held since its allocation; it is let go now, as nothing writes a block before the
+        runner has made the step's copies."""
         copies, self._copies = self._copies, []
+        self.pool.decref(src for src, _ in copies)
         return copies
 
     def reset_prefix_cache(self) -> int:
@@ -222,6 +251,8 @@ class KVCacheManager:
         for record in self._records.values():
             for b in record.blocks:
                 expected[b] += 1
+        for src, _ in self._copies:  # held until the copy is handed out
+            expected[src] += 1
         if expected != self.pool.ref_cnt:
             bad = [b for b in range(self.pool.num_blocks) if expected[b] != self.pool.ref_cnt[b]]
             raise AssertionError(f"KV block ref counts disagree with holders at blocks {bad[:10]}")

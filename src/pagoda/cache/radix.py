@@ -1,10 +1,18 @@
-"""A radix tree of cached prefixes (RadixAttention), at KV-block granularity.
+"""A radix tree of cached prefixes (RadixAttention), at KV-block granularity, with partly filled
+tail blocks as leaves.
 
 Each node owns a run of whole blocks: `key` holds their token ids (a multiple of block_size) and
-`blocks` their ids. The tree holds one pool reference on every block it caches. A running request
-locks the deepest node of its cached prefix; a lock counts on that node and all its ancestors, so
-a node with lock_ref == 0 has an unlocked subtree and only unlocked leaves are evicted (LRU).
-Requests with different cache salts live under different roots and never share blocks.
+`blocks` their ids. A *tail* node is a leaf holding one partly filled block: the KV of the first
+len(key) < block_size tokens after its parent's path, left by a request that stopped writing it
+(it finished or was preempted). Children are keyed by their first block's tokens, so a tail's
+shorter key never collides with a whole block's. A lookup walks whole blocks; `match_partial`
+then finds the child block (a tail, or the first block of a whole child) sharing the most
+leading tokens with what follows, which the caller copies before writing (copy-on-write), so a
+hit is token-granular. The tree holds one pool reference on every block it caches. A running
+request locks the deepest node of its cached prefix; a lock counts on that node and all its
+ancestors, so a node with lock_ref == 0 has an unlocked subtree and only unlocked leaves are
+evicted (LRU). Tails are never locked. Requests with different cache salts live under different
+roots and never share blocks.
 """
 
 from __future__ import annotations
@@ -94,6 +102,22 @@ class RadixCache:
         self._touch(node)
         return node, blocks
 
+    def match_partial(self, node: Node, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """After a whole-block match ending at `node`: the block among its children whose leading
+        tokens agree longest with `tokens` (a tail's, or a whole child's first block), as
+        (block id, tokens matched), fewer than a block; None if none agrees on its first token.
+        The block is shared: copy it before writing."""
+        want = tuple(tokens[: self.block_size])
+        best, best_len = None, 0
+        for key, child in node.children.items():
+            n = _common_len(key, want)
+            if n > best_len:
+                best, best_len = child, n
+        if best is None:
+            return None
+        self._touch(best)
+        return best.blocks[0], min(best_len, self.block_size - 1)
+
     # ---- updates -------------------------------------------------------------------------------
     def insert(self, node: Node, tokens: Sequence[int], blocks: Sequence[int]) -> Node:
         """Cache `blocks` (holding whole blocks of `tokens`) as the continuation of `node`'s path.
@@ -105,6 +129,7 @@ class RadixCache:
         node, i, _ = self._walk(node, tokens, split=True)
         if i < len(blocks):
             new = Node(tuple(tokens[i * bs :]), list(blocks[i:]), node)
+            self._drop_tails_covered_by(node, new.key[:bs])
             node.children[new.key[:bs]] = new
             self.pool.incref(new.blocks)
             self.evictable_blocks += len(new.blocks)
@@ -112,6 +137,24 @@ class RadixCache:
             node = new
         self._touch(node)
         return node
+
+    def insert_tail(self, node: Node, tokens: Sequence[int], block: int) -> None:
+        """Cache `block`, holding the KV of `tokens` (fewer than a block) after `node`'s path, as a
+        tail leaf. Nothing changes where a cached block already starts with these tokens; a
+        shorter tail that this one extends is replaced."""
+        key = tuple(tokens)
+        if not 0 < len(key) < self.block_size:
+            raise ValueError(f"a tail holds 1 to {self.block_size - 1} tokens, got {len(key)}")
+        for child_key, child in node.children.items():
+            if child_key[: len(key)] == key:
+                self._touch(child)
+                return
+        self._drop_tails_covered_by(node, key)
+        tail = Node(key, [block], node)
+        node.children[key] = tail
+        self.pool.incref([block])
+        self.evictable_blocks += 1
+        self._touch(tail)
 
     def lock(self, node: Node) -> None:
         while node is not None:
@@ -162,6 +205,14 @@ class RadixCache:
         return self.evict(self.evictable_blocks)
 
     # ---- internals -----------------------------------------------------------------------------
+    def _drop_tails_covered_by(self, node: Node, key: tuple[int, ...]) -> None:
+        """Forget `node`'s tails whose tokens `key` starts with: a block cached under `key` holds
+        their KV too."""
+        for tail_key in [k for k in node.children if len(k) < self.block_size and key[: len(k)] == k]:
+            tail = node.children.pop(tail_key)
+            self.pool.decref(tail.blocks)
+            self.evictable_blocks -= 1
+
     def _split(self, child: Node, k: int) -> Node:
         """Cut `child` after k blocks. The lower half keeps the object's identity, so locks held
         on it stay valid; the new upper node inherits its lock count."""
@@ -198,7 +249,10 @@ class RadixCache:
         for node in self._nodes():
             if node.parent is None:
                 continue
-            if len(node.key) != len(node.blocks) * self.block_size or not node.blocks:
+            is_tail = len(node.key) < self.block_size
+            if is_tail and (len(node.blocks) != 1 or node.children or node.lock_ref or not node.key):
+                raise AssertionError("radix tail is not an unlocked leaf of one block")
+            if not is_tail and (len(node.key) != len(node.blocks) * self.block_size or not node.blocks):
                 raise AssertionError("radix node key and blocks disagree")
             if node.parent.children.get(node.key[: self.block_size]) is not node:
                 raise AssertionError("radix node not reachable from its parent")
@@ -214,3 +268,11 @@ class RadixCache:
                 f"radix sizes drifted: counted evictable={evictable} protected={protected}, "
                 f"kept {self.evictable_blocks}/{self.protected_blocks}"
             )
+
+
+def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

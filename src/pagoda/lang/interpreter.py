@@ -8,9 +8,11 @@ together; reading a branch (`f["x"]`, `f.text()`) waits for what was appended to
 
 `fork` first commits the text so far (the backend computes it once, see backend/base.py), so every
 branch's first request starts from a prefix-cache hit instead of k requests computing it at once.
+`select` does not: its choices go to the engine as one batch, whose scheduler has one of them
+compute the shared prompt while the others wait a step (in-batch prefix caching).
 An executor tracks how much of its text its last request already put in the cache (the prompt and
 output of a gen); when less than MIN_COMMIT_CHARS is new since then there is nothing worth a
-round trip (the cache keeps whole blocks only), and the commit is skipped.
+round trip, and the commit is skipped.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from pagoda.lang.errors import UndefinedVariableError
 from pagoda.lang.ir import Expr, ExprList, Gen, GenParams, RoleBegin, RoleEnd, Select, Text, as_expr
 
 MAX_FORK = 512  # branches of one fork (each runs on a thread)
-# Text shorter than this (about one KV block of tokens, which is all the cache would keep of it) is
-# not worth a commit: fork and select skip it when their uncached text is shorter, and run_batch
+# Text shorter than this (about one KV block of tokens: less compute than the round trip costs) is
+# not worth a commit: fork skips it when its uncached text is shorter, and run_batch
 # when the programs' common prefix is.
 MIN_COMMIT_CHARS = 64
 
@@ -334,7 +336,8 @@ class _Executor:
         if not self.text:
             raise ValueError(f"pl.select({expr.name!r}) has no prompt: the program's text is empty")
         self.backend.check_prompt_logprobs()  # before any request
-        self._commit()
+        # No commit first: the choices' requests go to the engine together, and its scheduler
+        # lets one compute their shared uncached prompt while the others wait a step for it.
         decision = select_impl.select(self.backend, self.text, list(expr.choices), expr.choices_method)
         self._append(decision.decision)
         self.cached_upto = len(self.text)  # the chosen choice's request computed it

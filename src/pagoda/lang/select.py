@@ -3,7 +3,8 @@
 The choices are scored as the text would continue: the prompt plus the choice is tokenized whole,
 and the choice's tokens are those from the first position where that differs from the prompt's
 own tokens (so a choice that merges with the prompt's last token scores the merged token). The
-caller commits the prompt first, so every choice's request finds it in the prefix cache.
+choices' requests reach the engine together; its scheduler has one compute the uncached prompt
+while the others wait a step, then they find it cached, up to their own tokens.
 """
 
 from __future__ import annotations

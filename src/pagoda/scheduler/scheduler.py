@@ -1,6 +1,7 @@
 """Token-budget scheduler: running requests first, then waiting ones; chunked prefill; recompute
 preemption. One rule for everything: each step, num_computed_tokens catches up with num_tokens as
-far as the token budget, max_num_seqs and the KV pool allow.
+far as the token budget, max_num_seqs and the KV pool allow (a waiting request whose next
+prompt blocks others compute in this step waits for them: in-batch prefix caching).
 
 The scheduler is the only writer of a request's `num_computed_tokens` and status; the KV manager
 owns its blocks (the scheduler sees them only as the block table it hands the runner)."""
@@ -18,6 +19,16 @@ from pagoda.step import SampledTokens, ScheduledRequest, SchedulerOutput
 
 # Above this many waiting requests, longest-prefix-match ordering costs more than it saves.
 _LPM_MAX_QUEUE = 128
+
+# In-batch prefix caching (as SGLang's): a waiting request whose next this many uncached prompt
+# tokens (rounded up to whole blocks) are all computed by other requests in this step waits a
+# step, then finds them cached, instead of computing them side by side.
+IN_BATCH_MIN_SHARED_TOKENS = 32
+
+# A block a step computes, as the key a waiting request sharing it would look up: the cache salt,
+# the block's start, and its tokens with the block's before them (two requests with equal keys but
+# different earlier tokens are possible, and harmless: one of them waits a step for nothing).
+_BlockKey = tuple
 
 
 @dataclass
@@ -96,14 +107,19 @@ class Scheduler:
             break
 
         if not out.preempted:
-            self._schedule_waiting(out, budget, scheduled_ids)
+            computing: set[_BlockKey] = set()
+            for s in out.scheduled:
+                self._note_computing(computing, s.request, s.num_new_tokens)
+            self._schedule_waiting(out, budget, scheduled_ids, computing)
         out.block_copies = self.kv.take_copies()
         self.stats.num_computed_tokens += out.num_tokens
         self.stats.num_steps += not out.is_empty
         self.stats.num_sequence_steps += len(out.scheduled)
         return out
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, scheduled_ids: set[str]) -> None:
+    def _schedule_waiting(
+        self, out: SchedulerOutput, budget: int, scheduled_ids: set[str], computing: set[_BlockKey]
+    ) -> None:
         queue = self._waiting_order()
         started: list[Request] = []
         for req in queue:
@@ -115,6 +131,10 @@ class Scheduler:
                     req.fork_source = None
                 elif src.status is not RequestStatus.RUNNING or src.num_computed_tokens < req.num_tokens - 1:
                     continue  # n > 1: wait until the sibling has computed the shared prompt
+            elif computing and self._held_back(req, computing):
+                # In-batch prefix caching: others compute this one's next prompt blocks in this
+                # step, so it waits a step and then finds them in the cache.
+                continue
             alloc = self.kv.allocate_first(req, budget)
             if alloc is None:
                 break  # the pool is full: later requests would not fit either
@@ -129,6 +149,7 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
             scheduled_ids.add(req.request_id)
             budget -= num_new
+            self._note_computing(computing, req, num_new)
         for req in started:
             self.waiting.remove(req)
         if started and self.config.policy == "lpm":
@@ -136,6 +157,31 @@ class Scheduler:
             for req in self.waiting:
                 if req.arrival_time < last_arrival:
                     req.skips += 1
+
+    def _note_computing(self, computing: set[_BlockKey], req: Request, num_new: int) -> None:
+        """Add the keys of the whole prompt blocks that `req` computes (part of) this step."""
+        if self.kv.radix is None:
+            return
+        bs = self.kv.block_size
+        start = req.num_computed_tokens
+        end = min(start + num_new, req.num_prompt_tokens)
+        for b in range(start // bs, -(-end // bs)):
+            if (b + 1) * bs <= req.num_prompt_tokens:
+                computing.add(self._block_key(req, b * bs, bs))
+
+    def _held_back(self, req: Request, computing: set[_BlockKey]) -> bool:
+        """Whether the blocks after the request's cached ones, IN_BATCH_MIN_SHARED_TOKENS of them
+        at least, are all being computed by others in this step."""
+        bs = self.kv.block_size
+        cached = self.kv.cached_prefix_len(req)
+        blocks = -(-IN_BATCH_MIN_SHARED_TOKENS // bs)
+        if cached + blocks * bs > req.num_cacheable_tokens:
+            return False
+        return all(self._block_key(req, cached + i * bs, bs) in computing for i in range(blocks))
+
+    @staticmethod
+    def _block_key(req: Request, start: int, bs: int) -> _BlockKey:
+        return (req.cache_salt, start, tuple(req.token_ids[max(0, start - bs) : start + bs]))
 
     def _waiting_order(self) -> list[Request]:
         """FCFS, or longest cached prefix first (with starving requests served first)."""
@@ -197,8 +243,9 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """Give up the request's KV; its computed full blocks stay cached, so that it (after a
-        preemption), a sibling or the next turn of a conversation finds them."""
-        self.kv.cache(req)
+        preemption), a sibling or the next turn of a conversation finds them; so does its partly
+        filled last block, which it writes no more."""
+        self.kv.cache(req, final=True)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
 
