@@ -79,6 +79,28 @@ class EngineArgs:
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
         metavar="JSON",
     )
+    tensor_parallel_size: int = arg(
+        1, help="ranks to split every layer over (Megatron-style; one process per rank)"
+    )
+    threads_per_rank: int | None = arg(
+        None,
+        help="torch threads of each rank, each rank pinned to its own cores",
+        default_text="the available cores divided among this node's ranks",
+    )
+    nnodes: int = arg(1, help="machines the tensor-parallel ranks are spread over (equal shares)")
+    node_rank: int = arg(0, help="this machine's index among --nnodes; node 0 schedules and serves")
+    master_addr: str = arg("127.0.0.1", help="address of node 0, where the ranks meet")
+    master_port: int | None = arg(
+        None,
+        help="port on node 0 where the ranks meet",
+        default_text="a free port (one node); 29500 (several)",
+    )
+    headless: bool = arg(
+        False, help="a node other than 0: run only this node's worker ranks (no scheduler, no server)"
+    )
+    distributed_timeout: float = arg(
+        60.0, help="seconds a rank waits for the others to join, or for one collective, before failing"
+    )
     # Limits on every size a request can choose (n, stop strings, grammar size, ...): see limits.py.
     # Its fields are flags of `pagoda serve` themselves (--max-n, ...).
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -125,10 +147,26 @@ class EngineArgs:
             )
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
+        self.parallel_config()  # the tensor-parallel settings' own checks
         if not isinstance(self.limits, RequestLimits):
             raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
         # The scheduler's own checks, before the model loads (the context length is not known yet).
         self.scheduler_config(self.max_model_len or 2)
+
+    def parallel_config(self) -> ParallelConfig:
+        port = self.master_port
+        if port is None:
+            port = 0 if self.nnodes == 1 else DEFAULT_MASTER_PORT
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master_addr=self.master_addr,
+            master_port=port,
+            threads_per_rank=self.threads_per_rank,
+            headless=self.headless,
+            timeout_s=self.distributed_timeout,
+        )
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
@@ -140,6 +178,71 @@ class EngineArgs:
 
 
 # ---- the resolved configuration: one frozen part per component ----------------------------------------
+DEFAULT_MASTER_PORT = 29500
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: `tensor_parallel_size` ranks over `nnodes` machines, the same number on
+    each. Global rank = node_rank x ranks per node + local rank; global rank 0 (on node 0) is the
+    engine process: it schedules, samples and serves, and every step broadcasts the batch to the
+    others. `master_port` 0: pick a free port on this machine (one node only)."""
+
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    threads_per_rank: int | None = None
+    headless: bool = False
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "nnodes"):
+            if not _positive_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of nnodes "
+                f"({self.nnodes}): every node runs the same number of ranks"
+            )
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}, got {self.node_rank!r}")
+        if self.threads_per_rank is not None and not _positive_int(self.threads_per_rank):
+            raise ValueError(f"threads_per_rank must be a positive integer, got {self.threads_per_rank!r}")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ValueError("master_addr must be a host name or address")
+        if not isinstance(self.master_port, int) or not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be a port number in 1..65535, got {self.master_port!r}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("master_port must be given when the ranks span several nodes")
+        if not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:
+            raise ValueError(
+                f"distributed_timeout must be a positive number of seconds, got {self.timeout_s!r}"
+            )
+        if self.tensor_parallel_size == 1 and self.master_port:
+            raise ValueError("master_port is where tensor-parallel ranks meet; tensor_parallel_size is 1")
+        if self.headless and self.node_rank == 0:
+            raise ValueError("node 0 schedules and serves; only a node with node_rank > 0 runs --headless")
+        if self.node_rank > 0 and not self.headless:
+            raise ValueError(
+                f"node_rank {self.node_rank} runs only worker ranks: start it with --headless "
+                "(node 0 schedules and serves)"
+            )
+
+    @property
+    def local_size(self) -> int:
+        """Ranks on each node."""
+        return self.tensor_parallel_size // self.nnodes
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.local_size + local_rank
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the model runner loads and runs."""
@@ -286,6 +389,7 @@ class EngineConfig:
     structured: StructuredOutputConfig
     tokenizer: str  # tokenizer folder
     speculative: SpeculativeConfig | None = None  # with max_running resolved
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # Check the KV block accounting after every step, not only when the engine goes idle (a debug
     # switch: PAGODA_CHECK_INVARIANTS=1; the test suite turns it on).
     check_invariants: bool = False

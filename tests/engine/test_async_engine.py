@@ -231,7 +231,7 @@ def test_a_failing_step_kills_the_engine_cleanly(engine: LLMEngine) -> None:
 def test_a_model_that_raises_fails_every_in_flight_request(engine: LLMEngine, monkeypatch) -> None:
     """Issue 15's fault: the model raises on a chosen forward pass. Every in-flight request (streamed
     or not) gets the error, the engine says it is not running, the error callback fires once."""
-    model = engine.core.runner.model
+    model = engine.core.executor.worker.model
     calls = []
 
     def forward(*args, **kwargs):

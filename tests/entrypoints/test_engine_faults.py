@@ -29,9 +29,9 @@ pytestmark = pytest.mark.timeout(240)
 _FAULTY_SERVE = textwrap.dedent(
     """
     import os, sys
-    from pagoda.worker import model_runner
+    from pagoda.worker import worker
 
-    load = model_runner.load_model
+    load = worker.load_model
     fail_at = int(os.environ["PAGODA_TEST_FAIL_AT"])
 
     def faulty_load(*args, **kwargs):
@@ -47,7 +47,7 @@ _FAULTY_SERVE = textwrap.dedent(
         model.forward = failing
         return model
 
-    model_runner.load_model = faulty_load
+    worker.load_model = faulty_load
     from pagoda.entrypoints.cli import main
     sys.exit(main(sys.argv[1:]))
     """
@@ -102,7 +102,7 @@ def _start_with(server: ServerProcess, cmd: list[str]) -> None:
 
 def test_health_turns_503_when_the_engine_dies(tiny_llama_dir: str, monkeypatch) -> None:
     engine = LLMEngine(EngineArgs(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64))
-    model = engine.core.runner.model
+    model = engine.core.executor.worker.model
 
     def failing(*args, **kwargs):
         raise RuntimeError("injected fault")

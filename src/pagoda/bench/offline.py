@@ -6,7 +6,10 @@ compared with transformers `generate` on the same prompts, dtype and threads (or
 `multi-turn`, run with the prefix cache on and off; `structured` with jump-forward on and off;
 `spec` (greedy) with speculative decoding on (`--speculative-config`, default n-gram lookup) and
 off, checking that the outputs are the same and reporting the acceptance rate, the mean accepted
-length and the forward passes saved.
+length and the forward passes saved; `tp`, one stream at tensor-parallel size 1 and
+`--tensor-parallel-size` N in alternating runs, with the per-token latency and rank 0's collective
+cost per step (bench/tensor_parallel.py). `--tensor-parallel-size` and `--threads-per-rank` also
+run any other workload's engine on N ranks.
 
 `--model` takes a Hugging Face folder or a GGUF file; `--quantization` quantizes a folder's
 weights at load, and `--gguf TYPE` writes the (default random) model as a GGUF file of TYPE
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 
 from pagoda.cli_args import add_arguments, arg, values_from
 
-WORKLOADS = ("batch", "single", "prefill", "shared-prefix", "multi-turn", "structured", "spec")
+WORKLOADS = ("batch", "single", "prefill", "shared-prefix", "multi-turn", "structured", "spec", "tp")
 # The spec workload's proposer unless --speculative-config names one.
 DEFAULT_SPEC_CONFIG = {
     "method": "ngram",
@@ -49,6 +52,7 @@ _DEFAULTS = {  # workload -> (num_prompts, input_len, output_len)
     "multi-turn": (16, 64, 32),
     "structured": (64, 32, 512),
     "spec": (1, 16, 496),  # one stream; 512 tokens in all fit the demo model's context
+    "tp": (1, 128, 64),  # one stream at tensor-parallel size 1 and N (bench/tensor_parallel.py)
 }
 # A record with long fixed keys, bounded strings and enums: what structured extraction looks like.
 BENCH_SCHEMA = {
@@ -120,6 +124,8 @@ OFFLINE_ENGINE_FLAGS = (
     "kv_cache_memory_gb",
     "jump_forward_max_running",
     "speculative_config",
+    "tensor_parallel_size",
+    "threads_per_rank",
 )
 OFFLINE_ENGINE_DEFAULTS = {"dtype": "bfloat16", "kv_cache_memory_gb": 2.0}
 
@@ -224,6 +230,11 @@ def run(args: argparse.Namespace) -> int:
         results = _run_structured(args, model, tokenizer, n, input_len, output_len)
     elif args.workload == "spec":
         results = _run_spec(args, model, tokenizer, n, input_len, output_len)
+    elif args.workload == "tp":
+        from pagoda.bench.tensor_parallel import run_tp
+
+        prompts = _random_prompts(tokenizer, n, input_len, args.seed)
+        results = run_tp(args, model, prompts, output_len, lambda **kw: _engine(args, model, **kw))
     elif args.workload in ("shared-prefix", "multi-turn"):
         for caching in (True, False):
             results.append(_run_cache_workload(args, model, tokenizer, n, input_len, output_len, caching))

@@ -10,6 +10,7 @@ from pagoda.distributed.affinity import pin_rank, rank_cores
 from pagoda.distributed.group import SINGLE, ParallelGroup
 from pagoda.distributed.init import (
     DistributedInitError,
+    control_group,
     default_backend,
     destroy_distributed,
     init_distributed,
@@ -22,6 +23,7 @@ __all__ = [
     "DistributedInitError",
     "ParallelGroup",
     "RankFailed",
+    "control_group",
     "default_backend",
     "destroy_distributed",
     "even_split",

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class CollectiveTiming:
+    """Calls and seconds spent in this rank's collectives (what `pagoda bench offline --workload
+    tp` reports per step); a perf_counter pair per call, nothing next to a collective's cost."""
+
+    all_reduce_calls: int = 0
+    all_reduce_s: float = 0.0
+    gather_calls: int = 0
+    gather_s: float = 0.0
+    broadcast_calls: int = 0
+    broadcast_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -19,6 +33,7 @@ class ParallelGroup:
     rank: int
     size: int
     group: dist.ProcessGroup | None = None
+    timing: CollectiveTiming = field(default_factory=CollectiveTiming, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -33,7 +48,10 @@ class ParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; returns it."""
         if self.size > 1:
+            start = time.perf_counter()
             dist.all_reduce(tensor, group=self.group)
+            self.timing.all_reduce_calls += 1
+            self.timing.all_reduce_s += time.perf_counter() - start
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -51,7 +69,10 @@ class ParallelGroup:
             return tensor
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == dst else None
+        start = time.perf_counter()
         dist.gather(tensor, parts, dst=dist.get_global_rank(self.group, dst), group=self.group)
+        self.timing.gather_calls += 1
+        self.timing.gather_s += time.perf_counter() - start
         return None if parts is None else torch.cat(parts, dim=dim)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -66,7 +87,10 @@ class ParallelGroup:
         if self.size == 1:
             return obj
         box = [obj if self.rank == src else None]
+        start = time.perf_counter()
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
+        self.timing.broadcast_calls += 1
+        self.timing.broadcast_s += time.perf_counter() - start
         return box[0]
 
     def barrier(self) -> None:

@@ -69,3 +69,17 @@ def init_distributed(
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# Waiting for the next step is not a collective that should time out: an idle server waits as long
+# as it has no requests. A dead peer still fails it at once (its connections close).
+_CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+
+def control_group(group: ParallelGroup) -> ParallelGroup:
+    """A second group of the same ranks (gloo, also next to NCCL) for the step messages rank 0
+    broadcasts: it waits without a deadline, while the model's collectives keep `timeout_s`.
+    Every rank calls it, in the same order."""
+    if group.size == 1:
+        return group
+    return ParallelGroup(group.rank, group.size, dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT))

@@ -21,6 +21,7 @@ from pagoda.scheduler.scheduler import Scheduler
 from pagoda.spec import Drafter
 from pagoda.step import GrammarMasks, SchedulerOutput
 from pagoda.structured import GrammarManager
+from pagoda.worker.executor import make_executor
 from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,10 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.device = config.model.device
-        self.runner = ModelRunner(config.model, config.cache)
+        # One rank in this process, or rank 0 of a tensor-parallel group (the others spawned here
+        # or on other nodes); either way this process schedules and samples.
+        self.executor = make_executor(config.model, config.cache, config.parallel)
+        self.runner = ModelRunner(config.model, config.cache, self.executor)
         cache = config.cache
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
@@ -235,6 +239,10 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        self.executor.shutdown()
 
     def check_invariants(self) -> None:
         self.scheduler.check()

@@ -22,6 +22,11 @@ from pagoda.tokenizer import OutputTextState, apply_chat_template, eos_token_ids
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
+        if args.headless:
+            raise ValueError(
+                "a headless node runs only worker ranks (no engine): start it with `pagoda serve MODEL "
+                "--headless ...`"
+            )
         self.args = args  # as the user gave them
         self.config = resolve_engine_config(args)  # what the engine runs with
         self.tokenizer = load_tokenizer(self.config.tokenizer)
@@ -162,3 +167,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         return self.core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any, and leave their group (idempotent)."""
+        self.core.shutdown()

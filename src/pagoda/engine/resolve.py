@@ -20,6 +20,7 @@ from pagoda.config import (
     SpeculativeConfig,
     StructuredOutputConfig,
 )
+from pagoda.distributed.sharding import kv_head_shard
 from pagoda.models.config import ModelArchConfig
 from pagoda.models.gguf import parse_gguf_config
 from pagoda.models.hf_config import parse_hf_config, read_hf_config
@@ -56,11 +57,13 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         _, arch = parse_gguf_config(GGUFFile(args.model))
     else:
         _, arch = parse_hf_config(read_hf_config(args.model))
+    parallel = args.parallel_config()
+    arch.check_tensor_parallel(parallel.tensor_parallel_size)  # before any rank starts
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, args.model)
-    num_blocks = args.num_kv_blocks or max(
-        1, int(args.kv_cache_memory_gb * 2**30) // kv_bytes_per_block(arch, args.block_size, dtype)
-    )
+    # The memory budget is each rank's: a rank holds its own KV heads of every block.
+    per_block = kv_bytes_per_block(arch, args.block_size, dtype, parallel.tensor_parallel_size)
+    num_blocks = args.num_kv_blocks or max(1, int(args.kv_cache_memory_gb * 2**30) // per_block)
     max_model_len = args.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
         raise ValueError(
@@ -88,13 +91,18 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         structured=StructuredOutputConfig(args.enable_jump_forward, jump_forward_limit),
         tokenizer=args.tokenizer or args.model,
         speculative=speculative,
+        parallel=parallel,
         check_invariants=os.environ.get("PAGODA_CHECK_INVARIANTS", "") not in ("", "0"),
     )
 
 
-def kv_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Keys and values of `block_size` tokens in every layer."""
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+def kv_bytes_per_block(
+    arch: ModelArchConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1
+) -> int:
+    """Keys and values of `block_size` tokens in every layer, of one rank's KV heads (an equal
+    share, or one head where there are fewer KV heads than ranks)."""
+    heads = kv_head_shard(arch.num_kv_heads, 0, tensor_parallel_size)[1]
+    return 2 * arch.num_layers * block_size * heads * arch.head_dim * dtype.itemsize
 
 
 def resolve_dtype(dtype: str, model: str) -> torch.dtype:

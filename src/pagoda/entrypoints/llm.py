@@ -87,6 +87,17 @@ class LLM:
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker ranks (with tensor_parallel_size > 1) and leave their
+        process group, so that another parallel engine can start in this process. Idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def _run(self, prompts, params, use_tqdm, cache_salt) -> list[RequestOutput]:
         engine = self.engine
         ids = []

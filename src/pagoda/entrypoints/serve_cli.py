@@ -152,7 +152,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError, ImportError) as exc:
         return _fail("serve", str(exc))
     _configure_logging(config.log_level)
+    if engine_args.headless:
+        return _run_headless(engine_args)
     if config.replicas is not None:
+        if engine_args.nnodes > 1:
+            return _fail("serve", "--replicas runs on one node; it cannot be combined with --nnodes > 1")
         return _launch_replicas(engine_args, config)
     from pagoda.entrypoints.openai.app import run_server
     from pagoda.kernels import build as cpu_kernels
@@ -161,6 +165,25 @@ def _run_serve(args: argparse.Namespace) -> int:
         cpu_kernels.available()  # logs the CPU kernel variant, or why the PyTorch path is used
         return run_server(engine_args, config)
     except ValueError as exc:  # e.g. a model folder that does not load
+        return _fail("serve", str(exc))
+
+
+def _run_headless(engine_args: EngineArgs) -> int:
+    """A node other than 0 of a tensor-parallel group: its ranks join node 0's, load their shards
+    and run what node 0's engine broadcasts, until it shuts down (exit 0) or a rank fails (1)."""
+    from pagoda.engine.resolve import resolve_device
+    from pagoda.worker.executor import run_headless
+
+    parallel = engine_args.parallel_config()
+    print(
+        f"pagoda serve: headless node {parallel.node_rank} of {parallel.nnodes}: ranks "
+        f"{parallel.global_rank(0)}..{parallel.global_rank(parallel.local_size - 1)} of "
+        f"{parallel.tensor_parallel_size}, joining {parallel.master_addr}:{parallel.master_port}",
+        file=sys.stderr,
+    )
+    try:
+        return run_headless(parallel, engine_args.model, resolve_device(engine_args.device).type)
+    except ValueError as exc:
         return _fail("serve", str(exc))
 
 
@@ -240,11 +263,20 @@ def _run_generate(args: argparse.Namespace) -> int:
         _stream_reply(engine, args.prompt, params)
     except ValueError as exc:
         return _fail("generate", str(exc))
+    finally:
+        engine.shutdown()  # the tensor-parallel ranks, if any
     return 0
 
 
 def _run_chat(args: argparse.Namespace) -> int:
     engine, params = _load_engine("chat", args)
+    try:
+        return _chat_loop(engine, params, args)
+    finally:
+        engine.shutdown()  # the tensor-parallel ranks, if any
+
+
+def _chat_loop(engine, params, args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = list(system)
     interactive = sys.stdin.isatty()

@@ -1,4 +1,4 @@
-"""Turns a SchedulerOutput into model inputs, runs the model and samples."""
+"""Turns a SchedulerOutput into a ForwardBatch, has the executor run it, and samples."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagoda.attention.metadata import AttentionMetadata
 from pagoda.config import CacheConfig, ModelConfig
-from pagoda.models.loader import load_model
 from pagoda.outputs import Logprob
 from pagoda.request import Request
 from pagoda.sample import DraftSpan, Sampler, SamplingMetadata, SamplingRow
 from pagoda.sample.logprobs import prompt_logprobs
 from pagoda.step import GrammarMasks, SampledTokens, ScheduledRequest, SchedulerOutput
+from pagoda.worker.batch import ForwardBatch
+from pagoda.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -35,34 +35,18 @@ class ModelOutput:
 
 
 class ModelRunner:
-    """Loads the model and allocates its KV cache (`cache.num_blocks` blocks) on construction."""
+    """Rank 0's side of a step: turns the SchedulerOutput into a `ForwardBatch` (plain data), has
+    the executor run it (on one rank or all of them) and samples from the logits it returns.
+    Everything that needs the live requests (sampling rows, grammar masks, logprobs, drafts,
+    seeded generators) stays here."""
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig) -> None:
+    def __init__(self, model: ModelConfig, cache: CacheConfig, executor: Executor) -> None:
         self.device = model.device
-        self.dtype = model.dtype
         self.block_size = cache.block_size
-        self.model = load_model(model.path, model.dtype, model.device, quantization=model.quantization)
-        self.weight_format: str = self.model.weight_format
-        logger.info(
-            "loaded %s (%s activations): %s",
-            model.path,
-            str(model.dtype).removeprefix("torch."),
-            self.weight_format,
-        )
-        self.arch = self.model.config
-        self.vocab_size = self.arch.vocab_size
+        self.executor = executor
+        self.weight_format: str = executor.weight_format
+        self.vocab_size = executor.vocab_size
         self.sampler = Sampler(torch.Generator(device=model.device).manual_seed(model.seed))
-        self.kv_caches = self.model.allocate_kv_caches(cache.num_blocks, cache.block_size)
-        self.model.bind_kv_cache(self.kv_caches)
-
-    # ---- KV cache --------------------------------------------------------------------------------
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        backend = self.model.attn_backend
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for cache in self.kv_caches:
-            backend.copy_blocks(cache, src, dst)
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -70,19 +54,15 @@ class ModelRunner:
         """Run the step's forward pass and sample every row that needs it in one sampler call:
         one row per request that reached its last known token, plus one per draft token. The
         prompt positions owed prompt logprobs in this step's chunks are scored too."""
-        if out.block_copies:
-            self._copy_blocks(out.block_copies)
         # Fewest new tokens first (decodes, then verification steps and short chunks): the
         # attention backend batches the leading short ones in one call.
         batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens)
-        input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-
+        query_start = [0]
+        for s in batch:
+            query_start.append(query_start[-1] + s.num_new_tokens)
         sampling = [s.request for s in batch if s.samples]
-        ends = dict(zip((s.request.request_id for s in batch), meta.query_start_loc_cpu[1:], strict=True))
+        ends = dict(zip((s.request.request_id for s in batch), query_start[1:], strict=True))
         scored = self._prompt_logprob_rows(batch, ends)
-        if not sampling and not scored:
-            return ModelOutput()
         hidden_rows: list[int] = []
         rows: list[SamplingRow] = []
         mask_rows: list[int] = []
@@ -112,10 +92,12 @@ class ModelRunner:
         prompt_rows = [row + i for _, _, row, count in scored for i in range(count)]
         num_sampling = len(hidden_rows)
         hidden_rows.extend(prompt_rows[:_PROMPT_LOGPROB_ROWS])
-        logits = self.model.compute_logits(hidden[torch.tensor(hidden_rows, device=self.device)])
+        logits = self.executor.execute(self._prepare(batch, query_start, hidden_rows, out.block_copies))
         output = ModelOutput()
+        if logits is None:
+            return output
         if scored:
-            output.prompt_logprobs = self._prompt_logprobs(scored, logits[num_sampling:], hidden)
+            output.prompt_logprobs = self._prompt_logprobs(scored, logits[num_sampling:])
             logits = logits[:num_sampling]
         if not sampling:
             return output
@@ -157,7 +139,7 @@ class ModelRunner:
         return spans
 
     def _prompt_logprobs(
-        self, spans: list[tuple[Request, int, int, int]], head: torch.Tensor, hidden: torch.Tensor
+        self, spans: list[tuple[Request, int, int, int]], head: torch.Tensor
     ) -> dict[str, tuple[int, list[dict[int, Logprob]]]]:
         """The entries of `spans`: `head` holds the logits of their first rows (computed with the
         sampling rows in one LM-head call); the rest go through the LM head in slices."""
@@ -170,7 +152,7 @@ class ModelRunner:
             if off < len(head):
                 logits = head[off:end]
             else:
-                logits = self.model.compute_logits(hidden[torch.tensor(rows[off:end], device=self.device)])
+                logits = self.executor.compute_logits(torch.tensor(rows[off:end], dtype=torch.int64))
             ids = torch.tensor(targets[off:end], device=self.device)
             entries.extend(prompt_logprobs(logits, ids, tuple(ks[off:end])))
         result = {}
@@ -180,38 +162,42 @@ class ModelRunner:
             offset += count
         return result
 
-    def _prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(
+        self,
+        batch: list[ScheduledRequest],
+        query_start: list[int],
+        logits_rows: list[int],
+        block_copies: list[tuple[int, int]],
+    ) -> ForwardBatch:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         seq_lens: list[int] = []
-        query_start = [0]
         for s in batch:
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
             input_ids.extend(req.token_ids[start : start + n])
             positions.extend(range(start, start + n))
             seq_lens.append(start + n)
-            query_start.append(query_start[-1] + n)
         num_decodes = sum(s.num_new_tokens == 1 for s in batch)  # sorted: decodes come first
         max_blocks = max(-(-sl // bs) for sl in seq_lens)
         tables = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids)) for s in batch]
 
-        dev = self.device
         pos = torch.tensor(positions, dtype=torch.int64)
         block_tables = torch.tensor(tables, dtype=torch.int32)
         row = torch.repeat_interleave(
             torch.arange(len(batch)), torch.tensor([s.num_new_tokens for s in batch])
         )
         slot_mapping = block_tables[row, pos // bs].long() * bs + pos % bs
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32).to(dev, non_blocking=True),
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=pos,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start,
             num_decodes=num_decodes,
-            seq_lens_cpu=seq_lens,
-            query_start_loc_cpu=query_start,
             block_size=bs,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
+            block_copies=block_copies,
         )
-        return torch.tensor(input_ids, dtype=torch.int64).to(dev), pos.to(dev), meta

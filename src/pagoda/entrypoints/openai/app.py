@@ -219,6 +219,16 @@ def run_server(engine_args: EngineArgs, config: ServerArgs) -> int:
         server.should_exit = True
 
     state.engine.on_error = engine_died
+    rank_failures: list[str] = []
+
+    def rank_died(why: str) -> None:
+        # A tensor-parallel rank of this node exited: a step in flight fails by itself (its
+        # collective breaks); an idle server must stop too.
+        rank_failures.append(why)
+        logger.error("%s; shutting the server down", why)
+        server.should_exit = True
+
+    engine.core.executor.watch(rank_died)
     if state.engine.error is not None:  # it died before the callback was set
         server.should_exit = True
     try:
@@ -226,9 +236,10 @@ def run_server(engine_args: EngineArgs, config: ServerArgs) -> int:
         server.run()
     finally:
         state.engine.shutdown()
+        engine.shutdown()  # the tensor-parallel ranks, if any
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    code = 0 if state.engine.error is None else 1
+    code = 0 if state.engine.error is None and not rank_failures else 1
     if not engine.wait_for_grammar_compiles(config.shutdown_timeout):
         # A grammar compile past its deadline still runs and cannot be interrupted; exiting the
         # interpreter under it would abort the process, so leave without finalizing.

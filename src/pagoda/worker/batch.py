@@ -1,0 +1,62 @@
+"""The messages the scheduling rank sends the model workers: one step's forward pass as plain data.
+
+A `ForwardBatch` holds only tensors and ints (no `Request`, generator or grammar matcher), so the
+same object runs in-process (`UniprocExecutor`) or is broadcast to every tensor-parallel rank
+(`MultiprocExecutor`). What the batch's logits are used for (sampling, grammar masks, logprobs,
+drafts, seeds) stays with the runner on rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class ForwardBatch:
+    """T new tokens of B sequences, fewest new tokens first (decodes lead).
+
+    Sequence i's tokens are `input_ids[query_start_loc[i]:query_start_loc[i + 1]]`; see
+    `AttentionMetadata` for the rest. All tensors are on the CPU (each worker moves them to its
+    device). `logits_rows` are the flat rows whose hidden state goes through the LM head."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    seq_lens: list[int]  # [B]: context length including this step's tokens
+    query_start_loc: list[int]  # [B + 1]
+    num_decodes: int
+    block_size: int
+    logits_rows: torch.Tensor  # [N] int64
+    block_copies: list[tuple[int, int]]  # (src, dst) KV block copies, before the forward pass
+
+    def attention_metadata(self, device: torch.device) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping.to(device, non_blocking=True),
+            block_tables=self.block_tables.to(device, non_blocking=True),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+            query_start_loc=torch.tensor(self.query_start_loc, dtype=torch.int32).to(
+                device, non_blocking=True
+            ),
+            num_decodes=self.num_decodes,
+            seq_lens_cpu=self.seq_lens,
+            query_start_loc_cpu=self.query_start_loc,
+            block_size=self.block_size,
+        )
+
+
+@dataclass
+class LogitsRows:
+    """More rows of the last forward pass's hidden states through the LM head (prompt logprobs
+    beyond what fits in one call)."""
+
+    rows: torch.Tensor  # [N] int64
+
+
+@dataclass
+class Shutdown:
+    """The workers leave their loop and the process group."""
