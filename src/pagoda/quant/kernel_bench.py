@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
+from collections.abc import Callable
 
 import torch
 
 from pagoda.kernels import cpu_gemm
-from pagoda.kernels.build import available, status
+from pagoda.kernels.build import available, ops, status
 from pagoda.kernels.cpu_gemm import QWEN25_05B_LAYERS, QWEN25_05B_SHAPES, median_time
 from pagoda.kernels.cpu_quant import SUPPORTED, PackedQuant, dot_kind, linear, pack
 from pagoda.quant.formats import GGMLType
@@ -23,15 +25,39 @@ SHAPES = tuple((name, n, k) for name, n, k, _ in QWEN25_05B_SHAPES if not name.s
 LAYERS = QWEN25_05B_LAYERS
 
 
+def read_bandwidth(clock: Callable[[], float]) -> float:
+    """GB/s of the kernels' read probe (`pagoda.kernels.bandwidth`) timed by `clock`, best of 5:
+    the same clock as the kernels it is the roofline of."""
+    buf = torch.ones(256 << 18, dtype=torch.float32)  # 256 MiB
+    read = ops().memory_read
+    read(buf)
+    best = float("inf")
+    for _ in range(5):
+        start = clock()
+        read(buf)
+        best = min(best, clock() - start)
+    return buf.numel() * 4 / best / 1e9
+
+
 def bench(types: list[str], ms: list[int], rounds: int) -> None:
     """The linear layers of Qwen2.5-0.5B's shape on the integer kernel against the bf16 kernel.
     Up to 64 rows, 24 layers of distinct weights (a pass streams them from memory, as decode
-    does); more rows are bound by arithmetic and time 2 layers. Times are per 24 layers."""
+    does); more rows are bound by arithmetic and time 2 layers. Times are per 24 layers.
+
+    With one thread the times are process CPU time (others' load on the machine then costs
+    little), else wall time. Up to 8 rows, the integer kernel's GB/s is also given as a share of
+    the read bandwidth probe's (same threads and clock): its roofline."""
     if not available():
         raise SystemExit(f"kernels unavailable: {status().reason}")
+    threads = torch.get_num_threads()
+    clock = time.process_time if threads == 1 else time.perf_counter
     print(
-        f"variant={status().variant} dot={dot_kind()} threads={torch.get_num_threads()} rounds={rounds} (median)"
+        f"variant={status().variant} dot={dot_kind()} threads={threads} rounds={rounds} "
+        f"(median {'process CPU time' if threads == 1 else 'wall time'})"
     )
+    bandwidth = read_bandwidth(clock) if min(ms) <= 8 else None
+    if bandwidth is not None:
+        print(f"read bandwidth {bandwidth:.1f} GB/s (best of 5 reads of 256 MiB, same clock)")
     gen = torch.Generator().manual_seed(0)
     dense = {name: torch.randn(n, k, generator=gen) * 0.02 for name, n, k in SHAPES}
     bf16 = {name: cpu_gemm.pack(w.bfloat16(), swiglu=name == "gate_up") for name, w in dense.items()}
@@ -71,11 +97,14 @@ def bench(types: list[str], ms: list[int], rounds: int) -> None:
                         cpu_gemm.linear(xs[name], p)
 
             scale = LAYERS / layers
-            tq, tb = median_time(run_q, rounds) * scale, median_time(run_b, rounds) * scale
+            tq = median_time(run_q, rounds, clock) * scale
+            tb = median_time(run_b, rounds, clock) * scale
             gmac = m * sum(n * k for _, n, k in SHAPES) * LAYERS / 1e9
             qbytes = sum(p.nbytes for p in quant.values()) * LAYERS
+            gb_s = qbytes / tq / 1e9
+            roof = f" = {gb_s / bandwidth:4.0%} of the probe" if bandwidth and m <= 8 else ""
             print(
-                f"{type_name:<5} M={m:<5} int {tq * 1e3:9.2f} ms ({gmac / tq:6.1f} GMAC/s, {qbytes / tq / 1e9:5.1f} GB/s)  "
+                f"{type_name:<5} M={m:<5} int {tq * 1e3:9.2f} ms ({gmac / tq:6.1f} GMAC/s, {gb_s:5.1f} GB/s{roof})  "
                 f"bf16 {tb * 1e3:9.2f} ms ({gmac / tb:6.1f} GMAC/s)  int/bf16 speed x{tb / tq:.2f}",
                 flush=True,
             )

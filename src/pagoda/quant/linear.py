@@ -71,6 +71,8 @@ class QuantLinear:
         self.fused = all(isinstance(p, cpu_quant.PackedQuant) for p in self.parts) and (
             not swiglu or len(self.parts) == 1
         )
+        # One kernel call for the whole layer, its arguments gathered here once.
+        self._kernel = cpu_quant.Stack(self.parts, self.bias) if self.fused else None
 
     def values_by_type(self) -> dict[str, int]:
         """Weight values per storage type."""
@@ -91,16 +93,18 @@ class QuantLinear:
         """`x: [..., in_features]` (float) → `[..., out_features]` in `out_dtype` (default x's)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} features, the weight expects {self.in_features}")
+        out_dtype = out_dtype or x.dtype
+        if self._kernel is not None:
+            # The decode path: a few attribute checks around one kernel call.
+            flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+            if flat.dtype is not torch.float32 and flat.dtype is not torch.bfloat16:
+                flat = flat.float()
+            y = self._kernel(flat, out_dtype is torch.float32)
+            if y.dtype is not out_dtype:
+                y = y.to(out_dtype)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
-        out_dtype = out_dtype or x.dtype
-        if self.fused:
-            if flat.dtype not in (torch.float32, torch.bfloat16):
-                flat = flat.float()
-            y = cpu_quant.linear(
-                flat, self.parts, self.bias, out_dtype=torch.float32 if out_dtype is torch.float32 else None
-            )
-            return y.to(out_dtype).reshape(*lead, self.out_features)
         outs = []
         for part in self.parts:
             if isinstance(part, cpu_quant.PackedQuant):
