@@ -40,6 +40,8 @@ class EngineCoreRequest:
     # Compiled off the engine loop by the front end. A core in another process would receive the
     # spec (params.structured_outputs) and compile it there from its own cache instead.
     grammar: CompiledGrammar | None = None
+    # SamplingParams.prediction as token ids (tokenized by the front end); None without one.
+    prediction_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -58,6 +60,8 @@ class EngineCoreOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, sent once, on the output with the
     # request's first tokens (the core computes them chunk by chunk before that).
     prompt_logprobs: PromptLogprobs | None = None
+    # With a prediction: (accepted, rejected) prediction tokens so far (totals, not deltas).
+    prediction_tokens: tuple[int, int] | None = None
 
     @property
     def finished(self) -> bool:
