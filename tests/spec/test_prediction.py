@@ -58,12 +58,12 @@ def _on_off(path: str, prompts, params: list[SamplingParams], edit: bool = True,
     predictions were accepted."""
     llm = _llm(path, **kwargs)
     off = _outputs(llm, prompts, params)
-    predictions = [o.outputs[0].token_ids for o in off]
+    predictions = [list(o.outputs[0].token_ids) for o in off]
     if edit:
         predictions = [_edit(p, 1 + i) for i, p in enumerate(predictions)]
     on = _outputs(llm, prompts, _with_predictions(params, predictions))
-    key = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in off]
-    assert [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in on] == key
+    key = [[(tuple(c.token_ids), c.text, c.finish_reason) for c in o.outputs] for o in off]
+    assert [[(tuple(c.token_ids), c.text, c.finish_reason) for c in o.outputs] for o in on] == key
     assert all(c.accepted_prediction_tokens is None for o in off for c in o.outputs)
     accepted = sum(c.accepted_prediction_tokens for o in on for c in o.outputs)
     assert accepted > 0
@@ -123,13 +123,12 @@ def test_stop_strings_and_max_tokens_inside_a_draft(tiny_model_dirs):
     assert len(stops) >= 2
     on, _ = _on_off(path, prompts, stops, edit=False)
     assert all(c.finish_reason == "stop" for o in on for c in o.outputs)
-    for max_tokens in (1, 2, 3, 7, 17, 18, 19):
+    for max_tokens in (3, 7, 17, 18, 19):  # the drafts stop short of max_tokens
         params = [SamplingParams(temperature=0, max_tokens=max_tokens)] * 2
-        on, _ = _on_off(path, _prompts(2), params) if max_tokens > 2 else (None, None)
-        if on is not None:
-            assert all(
-                len(c.token_ids) == max_tokens and c.finish_reason == "length" for o in on for c in o.outputs
-            )
+        on, _ = _on_off(path, _prompts(2), params, edit=False)
+        assert all(
+            len(c.token_ids) == max_tokens and c.finish_reason == "length" for o in on for c in o.outputs
+        )
 
 
 def test_with_structured_output(tiny_model_dirs):
