@@ -239,3 +239,14 @@ def test_bad_predictions(tiny_model_dirs):
     out = _outputs(llm, [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, prediction=""))
     c = out[0].outputs[0]
     assert (c.accepted_prediction_tokens, c.rejected_prediction_tokens) == (0, 0)
+
+
+@pytest.mark.slow
+def test_bench_offline_code_edit_workload(tiny_llama_dir, capsys):
+    from pagoda.entrypoints.cli import main
+
+    args = ["bench", "offline", "--model", tiny_llama_dir, "--workload", "code-edit", "--dtype", "float32"]
+    code = main([*args, "--output-len", "40", "--input-len", "12"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "outputs identical: True" in out and "accepted," in out and "saved)" in out
