@@ -144,7 +144,11 @@ def test_with_structured_output(tiny_model_dirs):
         SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured_outputs=spec) for i in range(2)
     ]
     params += [GREEDY]
-    _on_off(tiny_model_dirs[ARCH], _prompts(5), params, jump_forward_max_running=64)
+    _, llm = _on_off(tiny_model_dirs[ARCH], _prompts(5), params, jump_forward_max_running=64)
+    # Accepted drafts are counted per proposer: grammar-forced ones apart from the prediction's.
+    stats = llm.engine.stats()
+    assert 0 < stats.jump_forward_accepted <= stats.jump_forward_drafts
+    assert stats.spec_num_accepted_tokens > stats.jump_forward_accepted
 
 
 def _varied_output(llm: LLM) -> tuple[list[int], SamplingParams]:

@@ -48,7 +48,6 @@ class EngineCore:
         self.drafter = Drafter(
             config.speculative, config.structured, config.max_model_len, config.prediction_max_running
         )
-        self.num_jump_forward_accepted = 0  # grammar-forced drafts that sampling confirmed
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, msg: EngineCoreRequest) -> None:
@@ -132,7 +131,7 @@ class EngineCore:
             prefix_cache_hits=kv.stats.hit_tokens,
             num_evicted_blocks=kv.num_evicted_blocks,
             jump_forward_drafts=self.drafter.stats.num_jump_forward_tokens,
-            jump_forward_accepted=self.num_jump_forward_accepted,
+            jump_forward_accepted=self.drafter.stats.num_jump_forward_accepted,
             spec_num_drafts=self.drafter.stats.num_drafts,
             spec_num_draft_tokens=self.drafter.stats.num_draft_tokens,
             spec_num_accepted_tokens=self.drafter.stats.num_accepted_tokens,
@@ -158,7 +157,6 @@ class EngineCore:
             req = requests[rid]
             self.drafter.record_verified(req, res.num_accepted_drafts)
             if req.grammar is not None:
-                self.num_jump_forward_accepted += res.num_accepted_drafts
                 try:
                     # The masks left the grammar past every draft: keep the accepted ones, then
                     # the token sampling chose.

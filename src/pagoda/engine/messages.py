@@ -87,7 +87,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # prompt tokens it served
     num_evicted_blocks: int = 0
     jump_forward_drafts: int = 0  # draft tokens proposed
-    jump_forward_accepted: int = 0  # drafts that sampling confirmed
+    jump_forward_accepted: int = 0  # of those, the ones sampling confirmed (not other proposers')
     # Speculative decoding, every proposer (grammar-forced drafts too), counted when verified.
     spec_num_drafts: int = 0  # draft spans verified (one request's drafts in one step)
     spec_num_draft_tokens: int = 0

@@ -20,6 +20,7 @@ draft token costs a token of work (see pagoda.engine.resolve).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_jump_forward_tokens: int = 0  # grammar-forced drafts proposed
+    num_jump_forward_accepted: int = 0  # grammar-forced drafts that sampling confirmed
 
 
 class Drafter:
@@ -56,14 +58,19 @@ class Drafter:
         self.prediction_limit = float("inf") if prediction_max_running is None else prediction_max_running
         self.prediction_num_drafts = spec.num_speculative_tokens if spec else PREDICTION_NUM_DRAFTS
         self.stats = SpecDecodeStats()
+        # How many of each request's drafts (the first ones) its grammar forced, until verified;
+        # weak, so that a request that ends leaves nothing behind.
+        self._forced: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
 
     def record_verified(self, req: Request, num_accepted: int) -> None:
         """`req`'s drafts (still in its token ids) were verified; `num_accepted` of them kept."""
         num_drafts = req.num_draft_tokens
+        forced = self._forced.pop(req, 0)
         if num_drafts:
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += num_drafts
             self.stats.num_accepted_tokens += num_accepted
+            self.stats.num_jump_forward_accepted += min(num_accepted, forced)
         if req.prediction is not None:
             req.prediction.record_verified(num_drafts, num_accepted)
 
@@ -97,6 +104,8 @@ class Drafter:
                 history = req.output_token_ids + tokens
                 drafts = grammars.jump_forward(grammar, history, max_tokens=room)
                 self.stats.num_jump_forward_tokens += len(drafts)
+                if drafts:
+                    self._forced[req] = len(drafts)
         if prediction is not None and num_running <= self.prediction_limit:
             want = min(self.prediction_num_drafts, room) - len(drafts)
             more = _before_stop(req, prediction.propose(drafts, recent, want))
