@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from pagoda.config import SpeculativeConfig, StructuredOutputConfig
 from pagoda.request import Request
-from pagoda.spec.ngram import ngram_propose
+from pagoda.spec.ngram import NgramIndex
 from pagoda.spec.prediction import MATCH_MAX, PREDICTION_NUM_DRAFTS
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class Drafter:
         # How many of each request's drafts (the first ones) its grammar forced, until verified;
         # weak, so that a request that ends leaves nothing behind.
         self._forced: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+        self._ngrams: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
 
     def record_verified(self, req: Request, num_accepted: int) -> None:
         """`req`'s drafts (still in its token ids) were verified; `num_accepted` of them kept."""
@@ -120,9 +121,11 @@ class Drafter:
         want = min(spec.num_speculative_tokens, room) - len(drafts)
         if want <= 0:
             return drafts
-        verified_ids = req.token_ids[: req.num_tokens - req.num_draft_tokens] + tokens
-        more = ngram_propose(verified_ids + drafts, want, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        more = _before_stop(req, more)
+        index = self._ngrams.get(req)
+        if index is None:
+            index = self._ngrams[req] = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        index.extend(req.token_ids[len(index.tokens) : end] + tokens)  # the verified tokens it lacks
+        more = _before_stop(req, index.propose(want, drafts))
         if grammar is not None:
             more = _allowed_prefix(grammar, more)
         return drafts + more
