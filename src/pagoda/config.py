@@ -390,6 +390,9 @@ class EngineConfig:
     tokenizer: str  # tokenizer folder
     speculative: SpeculativeConfig | None = None  # with max_running resolved
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # The load gate of predicted outputs (SamplingParams.prediction): drafts from a prediction only
+    # while at most this many requests run (None: no limit); speculative.max_running when set.
+    prediction_max_running: int | None = None
     # Check the KV block accounting after every step, not only when the engine goes idle (a debug
     # switch: PAGODA_CHECK_INVARIANTS=1; the test suite turns it on).
     check_invariants: bool = False

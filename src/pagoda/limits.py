@@ -46,6 +46,9 @@ class RequestLimits:
     max_stop_chars: int = arg(1024, help="characters of one stop string", metavar="N")
     max_logit_bias: int = arg(1024, help="logit_bias entries", metavar="N")
     max_messages: int = arg(2048, help="chat messages in one request", metavar="N")
+    max_prediction_chars: int = arg(
+        262144, help="characters of a predicted output (prediction), checked before tokenizing", metavar="N"
+    )
     max_prompt_chars: int | None = arg(
         None,
         help="prompt characters, checked before tokenizing",
@@ -113,6 +116,13 @@ class RequestLimits:
         _over("logit_bias", len(params.logit_bias or ()), self.max_logit_bias, "max_logit_bias", "entries")
         if params.structured_outputs is not None:
             self.check_structured(params.structured_outputs, constraint_param)
+        if params.prediction is not None:  # text, or token ids (each at least one character)
+            unit = "characters" if isinstance(params.prediction, str) else "tokens"
+            _over(
+                "prediction", len(params.prediction), self.max_prediction_chars, "max_prediction_chars", unit
+            )
+            if isinstance(params.prediction, str):
+                check_text(params.prediction, "prediction")
 
     def check_structured(self, spec: StructuredOutputs, param: str | None = None) -> None:
         """Size and nesting of an output constraint, before it is parsed or compiled."""

@@ -28,6 +28,10 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     error: str | None = None  # with finish_reason "error": why this completion failed
+    # With SamplingParams.prediction: prediction tokens proposed as drafts that are in the
+    # completion, and those that are not (totals so far, also on streamed deltas); None without one.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def finished(self) -> bool:

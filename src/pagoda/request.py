@@ -12,6 +12,7 @@ from pagoda.sampling_params import SamplingParams
 if TYPE_CHECKING:  # annotations only: the scheduler and the KV cache load neither torch nor a grammar library
     import torch
 
+    from pagoda.spec.prediction import Prediction
     from pagoda.structured.interface import GrammarMatcher
 
 
@@ -65,6 +66,7 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.grammar: GrammarMatcher | None = None  # structured-output state, advanced by the engine core
+        self.prediction: Prediction | None = None  # SamplingParams.prediction, advanced by the drafter
         # Jump-forward: trailing tokens the grammar forces, appended unverified. They are computed
         # with the next step and kept only as far as sampling would have picked them too.
         self.num_draft_tokens = 0

@@ -93,6 +93,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputs | None = None
+    # Predicted output (OpenAI's `prediction`): text (or its token ids) the output is expected to
+    # mostly repeat, e.g. the previous version of a file being edited. Its tokens are draft tokens
+    # verified like any other (outputs are those without it); it drafts without a speculative_config.
+    prediction: str | list[int] | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -183,6 +187,18 @@ class SamplingParams:
                 all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids must be a list of non-negative integers",
             )
+        if isinstance(self.prediction, tuple):
+            object.__setattr__(self, "prediction", list(self.prediction))
+        check(
+            self.prediction is None
+            or isinstance(self.prediction, str)
+            or (
+                isinstance(self.prediction, list)
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prediction)
+            ),
+            "prediction must be the predicted output's text or a list of token ids, got "
+            f"{type(self.prediction).__name__}",
+        )
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 check(isinstance(tok, int) and tok >= 0, f"logit_bias keys must be token ids, got {tok!r}")

@@ -163,7 +163,7 @@ def test_jump_forward_keeps_outputs_and_saves_steps(tiny_model_dirs, arch):
         core = llm.engine.core
         steps[jf] = core.scheduler.stats.num_steps
         if jf:
-            assert core.num_jump_forward_accepted > 0
+            assert core.drafter.stats.num_jump_forward_accepted > 0
         else:
             assert core.drafter.stats.num_jump_forward_tokens == 0
         _clean(llm)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pagoda.spec import ngram_propose
+from pagoda.spec.ngram import NgramIndex
 
 
 def test_longest_and_latest_match():
@@ -53,3 +56,22 @@ def test_bench_offline_spec_workload(tiny_llama_dir, capsys):
     assert code == 0
     assert "outputs identical: True" in out
     assert "acceptance rate:" in out and "mean accepted length:" in out and "saved)" in out
+
+
+@pytest.mark.parametrize("min_n, max_n", [(1, 1), (1, 3), (2, 4), (3, 3)])
+def test_incremental_index_proposes_what_the_full_search_does(min_n, max_n):
+    rng = random.Random(min_n * 10 + max_n)
+    for _ in range(30):
+        alphabet = rng.choice([2, 3, 5, 20])
+        seq = [rng.randrange(alphabet) for _j in range(rng.randrange(1, 60))]
+        index = NgramIndex(min_n, max_n)
+        i = 0
+        while i < len(seq):
+            step = rng.randrange(1, 5)  # a step's verified tokens: one or several
+            index.extend(seq[i : i + step])
+            i += step
+            prefix = seq[:i]
+            for k in (1, 4):
+                assert index.propose(k) == ngram_propose(prefix, k, min_n, max_n), (prefix, k)
+            after = [rng.randrange(alphabet) for _j in range(rng.randrange(0, 3))]
+            assert index.propose(3, after) == ngram_propose(prefix + after, 3, min_n, max_n)

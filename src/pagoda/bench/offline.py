@@ -6,7 +6,10 @@ compared with transformers `generate` on the same prompts, dtype and threads (or
 `multi-turn`, run with the prefix cache on and off; `structured` with jump-forward on and off;
 `spec` (greedy) with speculative decoding on (`--speculative-config`, default n-gram lookup) and
 off, checking that the outputs are the same and reporting the acceptance rate, the mean accepted
-length and the forward passes saved; `tp`, one stream at tensor-parallel size 1 and
+length and the forward passes saved; `code-edit` (greedy) with OpenAI's predicted outputs on and
+off: the prediction is the model's own greedy output for the prompt with a few short spans
+changed (an editor's earlier version of the file), reporting the accepted / rejected prediction
+tokens; `tp`, one stream at tensor-parallel size 1 and
 `--tensor-parallel-size` N in alternating runs, with the per-token latency and rank 0's collective
 cost per step (bench/tensor_parallel.py). `--tensor-parallel-size` and `--threads-per-rank` also
 run any other workload's engine on N ranks.
@@ -27,7 +30,17 @@ from dataclasses import dataclass
 
 from pagoda.cli_args import add_arguments, arg, values_from
 
-WORKLOADS = ("batch", "single", "prefill", "shared-prefix", "multi-turn", "structured", "spec", "tp")
+WORKLOADS = (
+    "batch",
+    "single",
+    "prefill",
+    "shared-prefix",
+    "multi-turn",
+    "structured",
+    "spec",
+    "code-edit",
+    "tp",
+)
 # The spec workload's proposer unless --speculative-config names one.
 DEFAULT_SPEC_CONFIG = {
     "method": "ngram",
@@ -52,6 +65,7 @@ _DEFAULTS = {  # workload -> (num_prompts, input_len, output_len)
     "multi-turn": (16, 64, 32),
     "structured": (64, 32, 512),
     "spec": (1, 16, 496),  # one stream; 512 tokens in all fit the demo model's context
+    "code-edit": (1, 64, 448),
     "tp": (1, 128, 64),  # one stream at tensor-parallel size 1 and N (bench/tensor_parallel.py)
 }
 # A record with long fixed keys, bounded strings and enums: what structured extraction looks like.
@@ -230,6 +244,8 @@ def run(args: argparse.Namespace) -> int:
         results = _run_structured(args, model, tokenizer, n, input_len, output_len)
     elif args.workload == "spec":
         results = _run_spec(args, model, tokenizer, n, input_len, output_len)
+    elif args.workload == "code-edit":
+        results = _run_code_edit(args, model, tokenizer, n, input_len, output_len)
     elif args.workload == "tp":
         from pagoda.bench.tensor_parallel import run_tp
 
@@ -674,6 +690,87 @@ def _run_spec(args, model, tokenizer, n, input_len, output_len) -> list[RunResul
     return [
         RunResult(name, statistics.median(times[name]), out_tokens, sum(map(len, prompts)), [])
         for name in engines
+    ]
+
+
+CODE_EDIT_SPANS = 4  # short spans (1-3 tokens) of the output changed in the prediction
+
+
+def _edited(tokens: list[int], vocab: list[int], rng) -> list[int]:
+    """`tokens` with CODE_EDIT_SPANS short spans replaced by other tokens (as many or one fewer or more)."""
+    out = list(tokens)
+    for k in range(CODE_EDIT_SPANS):
+        # Spread over the text: one edit in each stretch.
+        lo, hi = k * len(out) // CODE_EDIT_SPANS, (k + 1) * len(out) // CODE_EDIT_SPANS - 3
+        if hi <= lo:
+            continue
+        i = rng.randrange(lo, hi)
+        width = rng.randrange(1, 4)
+        out[i : i + width] = [rng.choice(vocab) for _ in range(width + rng.randrange(-1, 2))]
+    return out
+
+
+def _run_code_edit(args, model, tokenizer, n, input_len, output_len) -> list[RunResult]:
+    """Greedy prompts with and without a prediction (token ids: the greedy output with
+    CODE_EDIT_SPANS spans changed), in alternating runs on one engine (the median of SPEC_REPEATS
+    each); the outputs must be the same. Prediction drafts need no speculative_config."""
+    import random
+
+    from pagoda.sampling_params import SamplingParams
+
+    prompts = _random_prompts(tokenizer, n, input_len, args.seed)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    engine = _engine(args, model, speculative_config=args.speculative_config)
+    _warmup(engine)
+
+    def run(per_prompt: list[SamplingParams]) -> tuple[float, list, int]:
+        before = engine.stats()
+        start = time.perf_counter()
+        ids = [engine.add_request(None, p, q) for p, q in zip(prompts, per_prompt, strict=True)]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        elapsed = time.perf_counter() - start
+        engine.reset_prefix_cache()
+        steps = engine.stats().num_sequence_steps - before.num_sequence_steps
+        return elapsed, [done[i].outputs[0] for i in ids], steps
+
+    _, reference, _ = run([params] * len(prompts))
+    rng = random.Random(args.seed)
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    predicted = [
+        SamplingParams(**{**params.__dict__, "prediction": _edited(c.token_ids, vocab, rng)})
+        for c in reference
+    ]
+    times: dict[str, list[float]] = {"prediction on": [], "prediction off": []}
+    outputs: dict[str, list] = {}
+    steps: dict[str, int] = {}
+    for _ in range(SPEC_REPEATS):
+        for name, per_prompt in (("prediction on", predicted), ("prediction off", [params] * len(prompts))):
+            elapsed, outs, steps[name] = run(per_prompt)
+            times[name].append(elapsed)
+            outputs[name] = outs
+    same = (
+        [c.token_ids for c in outputs["prediction on"]]
+        == [c.token_ids for c in reference]
+        == [c.token_ids for c in outputs["prediction off"]]
+    )
+    accepted = sum(c.accepted_prediction_tokens for c in outputs["prediction on"])
+    rejected = sum(c.rejected_prediction_tokens for c in outputs["prediction on"])
+    print(
+        f"outputs identical: {same}\n"
+        f"prediction tokens: {accepted} accepted, {rejected} rejected "
+        f"({CODE_EDIT_SPANS} short spans of each output changed)\n"
+        f"forward passes (summed over sequences): {steps['prediction on']} on, {steps['prediction off']} off "
+        f"({1 - steps['prediction on'] / max(steps['prediction off'], 1):.1%} saved)"
+    )
+    if not same:
+        raise SystemExit("pagoda bench offline: a prediction changed the greedy outputs")
+    out_tokens = sum(len(c.token_ids) for c in reference)
+    return [
+        RunResult(name, statistics.median(times[name]), out_tokens, sum(map(len, prompts)), [])
+        for name in times
     ]
 
 

@@ -18,7 +18,7 @@ from pagoda.outputs import Logprob, PromptLogprobs
 from pagoda.request import Request
 from pagoda.sample.metadata import make_generator
 from pagoda.scheduler.scheduler import Scheduler
-from pagoda.spec import Drafter
+from pagoda.spec import Drafter, Prediction
 from pagoda.step import GrammarMasks, SchedulerOutput
 from pagoda.structured import GrammarManager
 from pagoda.worker.executor import make_executor
@@ -49,8 +49,9 @@ class EngineCore:
         self._grammar_factory = grammar_factory
         self._grammars: GrammarManager | None = None
         self._grammar_lock = threading.Lock()  # front ends compile off the engine loop
-        self.drafter = Drafter(config.speculative, config.structured, config.max_model_len)
-        self.num_jump_forward_accepted = 0  # grammar-forced drafts that sampling confirmed
+        self.drafter = Drafter(
+            config.speculative, config.structured, config.max_model_len, config.prediction_max_running
+        )
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, msg: EngineCoreRequest) -> None:
@@ -68,6 +69,8 @@ class EngineCore:
         )
         if msg.grammar is not None:
             request.grammar = msg.grammar.new_matcher()
+        if msg.prediction_token_ids is not None:
+            request.prediction = Prediction(msg.prediction_token_ids)
         if msg.params.seed is not None and not msg.params.greedy:
             request.generator = make_generator(msg.params.seed, self.device)
         self.scheduler.add_request(request)
@@ -93,6 +96,7 @@ class EngineCore:
                 r.stop_reason,
                 max(r.num_cached_tokens, 0),
                 error if r.finish_reason == "error" else None,
+                prediction_tokens=_prediction_tokens(r),
             )
             for r in finished
         ]
@@ -131,7 +135,7 @@ class EngineCore:
             prefix_cache_hits=kv.stats.hit_tokens,
             num_evicted_blocks=kv.num_evicted_blocks,
             jump_forward_drafts=self.drafter.stats.num_jump_forward_tokens,
-            jump_forward_accepted=self.num_jump_forward_accepted,
+            jump_forward_accepted=self.drafter.stats.num_jump_forward_accepted,
             spec_num_drafts=self.drafter.stats.num_drafts,
             spec_num_draft_tokens=self.drafter.stats.num_draft_tokens,
             spec_num_accepted_tokens=self.drafter.stats.num_accepted_tokens,
@@ -155,9 +159,8 @@ class EngineCore:
         num_running = len(self.scheduler.running)
         for rid, res in list(sampled.items()):
             req = requests[rid]
-            self.drafter.record_verified(req.num_draft_tokens, res.num_accepted_drafts)
+            self.drafter.record_verified(req, res.num_accepted_drafts)
             if req.grammar is not None:
-                self.num_jump_forward_accepted += res.num_accepted_drafts
                 try:
                     # The masks left the grammar past every draft: keep the accepted ones, then
                     # the token sampling chose.
@@ -183,6 +186,7 @@ class EngineCore:
                     req.stop_reason,
                     max(req.num_cached_tokens, 0),
                     prompt_logprobs=_take_prompt_logprobs(req, new),
+                    prediction_tokens=_prediction_tokens(req),
                 )
             )
         for rid, why in failed.items():
@@ -263,3 +267,8 @@ def _take_prompt_logprobs(req: Request, new: list[int]) -> PromptLogprobs | None
         return None
     entries, req.prompt_logprobs = req.prompt_logprobs, None
     return entries
+
+
+def _prediction_tokens(req: Request) -> tuple[int, int] | None:
+    p = req.prediction
+    return None if p is None else (p.num_accepted, p.num_rejected)

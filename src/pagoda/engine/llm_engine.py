@@ -87,6 +87,14 @@ class LLMEngine:
             if params.min_tokens:
                 raise ValueError("min_tokens cannot be combined with structured_outputs")
             grammar = grammar or self.compile_grammar(params.structured_outputs).result()
+        prediction = None
+        if isinstance(params.prediction, str):  # the predicted output's tokens, as the model writes them
+            prediction = tuple(self.tokenizer(params.prediction, add_special_tokens=False)["input_ids"])
+        elif params.prediction is not None:
+            prediction = tuple(params.prediction)
+            bad = next((t for t in prediction if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"prediction token id {bad} is not in [0, {self.vocab_size})")
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         for cid in child_ids:
             if self.output_processor.knows(cid):
@@ -105,6 +113,7 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 fork_of=child_ids[0] if i else None,
                 grammar=grammar,
+                prediction_token_ids=prediction,
             )
             for i, cid in enumerate(child_ids)
         ]

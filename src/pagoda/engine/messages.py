@@ -40,6 +40,8 @@ class EngineCoreRequest:
     # Compiled off the engine loop by the front end. A core in another process would receive the
     # spec (params.structured_outputs) and compile it there from its own cache instead.
     grammar: CompiledGrammar | None = None
+    # SamplingParams.prediction as token ids (tokenized by the front end); None without one.
+    prediction_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -58,6 +60,8 @@ class EngineCoreOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, sent once, on the output with the
     # request's first tokens (the core computes them chunk by chunk before that).
     prompt_logprobs: PromptLogprobs | None = None
+    # With a prediction: (accepted, rejected) prediction tokens so far (totals, not deltas).
+    prediction_tokens: tuple[int, int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -83,7 +87,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # prompt tokens it served
     num_evicted_blocks: int = 0
     jump_forward_drafts: int = 0  # draft tokens proposed
-    jump_forward_accepted: int = 0  # drafts that sampling confirmed
+    jump_forward_accepted: int = 0  # of those, the ones sampling confirmed (not other proposers')
     # Speculative decoding, every proposer (grammar-forced drafts too), counted when verified.
     spec_num_drafts: int = 0  # draft spans verified (one request's drafts in one step)
     spec_num_draft_tokens: int = 0

@@ -28,6 +28,7 @@ class _Completion:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    prediction_tokens: tuple[int, int] | None = None  # (accepted, rejected), the core's latest totals
     # what the last delta output has not shown yet
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
@@ -95,6 +96,8 @@ class OutputProcessor:
             comp = group.completions[i]
             if comp.finish_reason is not None:
                 continue  # finished here by a stop string; this is the core's acknowledgement
+            if out.prediction_tokens is not None:
+                comp.prediction_tokens = out.prediction_tokens
             if out.prompt_logprobs is not None:  # the first sample's, once, with its first tokens
                 group.prompt_logprobs = self._decoded(out.prompt_logprobs)
             new_ids = out.new_token_ids
@@ -200,12 +203,20 @@ class OutputProcessor:
                         c.finish_reason,
                         c.stop_reason,
                         c.error,
+                        *(c.prediction_tokens or (None, None)),
                     )
                 )
             else:
                 completions.append(
                     CompletionOutput(
-                        c.index, c.text.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, c.error
+                        c.index,
+                        c.text.text,
+                        c.token_ids,
+                        c.logprobs,
+                        c.finish_reason,
+                        c.stop_reason,
+                        c.error,
+                        *(c.prediction_tokens or (None, None)),
                     )
                 )
             c.new_text, c.new_token_ids, c.new_logprobs = "", [], []

@@ -82,6 +82,10 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         speculative = SpeculativeConfig.from_dict(args.speculative_config)
         if speculative.max_running is None and device.type == "cpu":
             speculative = dataclasses.replace(speculative, max_running=CPU_SPECULATIVE_MAX_RUNNING)
+    if speculative is not None:
+        prediction_max_running = speculative.max_running
+    else:
+        prediction_max_running = CPU_SPECULATIVE_MAX_RUNNING if device.type == "cpu" else None
     return EngineConfig(
         model=ModelConfig(
             path=args.model, dtype=dtype, device=device, seed=args.seed, quantization=args.quantization
@@ -92,6 +96,7 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         tokenizer=args.tokenizer or args.model,
         speculative=speculative,
         parallel=parallel,
+        prediction_max_running=prediction_max_running,
         check_invariants=os.environ.get("PAGODA_CHECK_INVARIANTS", "") not in ("", "0"),
     )
 

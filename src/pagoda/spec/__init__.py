@@ -4,5 +4,6 @@ every draft position in the next step's one forward pass and one sampler call (s
 
 from pagoda.spec.drafter import Drafter, SpecDecodeStats
 from pagoda.spec.ngram import ngram_propose
+from pagoda.spec.prediction import Prediction
 
-__all__ = ["Drafter", "SpecDecodeStats", "ngram_propose"]
+__all__ = ["Drafter", "Prediction", "SpecDecodeStats", "ngram_propose"]

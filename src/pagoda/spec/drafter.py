@@ -3,6 +3,8 @@ proposer in turn may extend a request's drafts for the next step.
 
 Proposers, in order (each continues the drafts of those before it):
 - grammar-forced tokens (structured output's jump-forward): what the grammar allows only;
+- the request's predicted output (`SamplingParams.prediction`, spec/prediction.py), filtered by
+  its grammar; it needs no `speculative_config`;
 - n-gram prompt lookup (`speculative_config` method "ngram"), filtered by the request's grammar.
 
 Exactness does not depend on a proposer: the sampler keeps a draft only where sampling the target
@@ -10,19 +12,22 @@ model would have chosen it anyway (greedy, or the same seeded draw), so outputs 
 speculation. A proposer only decides how many forward passes that takes.
 
 The load gate: speculative drafts only while at most `SpeculativeConfig.max_running` requests
-run (grammar-forced ones under `StructuredOutputConfig.jump_forward_max_running`). A request in
+run (prediction drafts under `EngineConfig.prediction_max_running`, the same unless speculation
+is not configured; grammar-forced ones under `StructuredOutputConfig.jump_forward_max_running`). A request in
 a large decode batch gains little from saving a step, and on a compute-bound CPU every rejected
 draft token costs a token of work (see pagoda.engine.resolve).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagoda.config import SpeculativeConfig, StructuredOutputConfig
 from pagoda.request import Request
-from pagoda.spec.ngram import ngram_propose
+from pagoda.spec.ngram import NgramIndex
+from pagoda.spec.prediction import MATCH_MAX, PREDICTION_NUM_DRAFTS
 
 if TYPE_CHECKING:
     from pagoda.structured import GrammarManager
@@ -36,31 +41,56 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_jump_forward_tokens: int = 0  # grammar-forced drafts proposed
+    num_jump_forward_accepted: int = 0  # grammar-forced drafts that sampling confirmed
 
 
 class Drafter:
     def __init__(
-        self, spec: SpeculativeConfig | None, structured: StructuredOutputConfig, max_model_len: int
+        self,
+        spec: SpeculativeConfig | None,
+        structured: StructuredOutputConfig,
+        max_model_len: int,
+        prediction_max_running: int | None = None,
     ):
         self.spec = spec
         self.structured = structured
         self.max_model_len = max_model_len
+        self.prediction_limit = float("inf") if prediction_max_running is None else prediction_max_running
+        self.prediction_num_drafts = spec.num_speculative_tokens if spec else PREDICTION_NUM_DRAFTS
         self.stats = SpecDecodeStats()
+        # How many of each request's drafts (the first ones) its grammar forced, until verified;
+        # weak, so that a request that ends leaves nothing behind.
+        self._forced: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+        self._ngrams: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
 
-    def record_verified(self, num_drafts: int, num_accepted: int) -> None:
+    def record_verified(self, req: Request, num_accepted: int) -> None:
+        """`req`'s drafts (still in its token ids) were verified; `num_accepted` of them kept."""
+        num_drafts = req.num_draft_tokens
+        forced = self._forced.pop(req, 0)
         if num_drafts:
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += num_drafts
             self.stats.num_accepted_tokens += num_accepted
+            self.stats.num_jump_forward_accepted += min(num_accepted, forced)
+        if req.prediction is not None:
+            req.prediction.record_verified(num_drafts, num_accepted)
 
     def propose(
         self, req: Request, tokens: list[int], num_running: int, grammars: GrammarManager | None
     ) -> list[int]:
         """Draft tokens to follow `tokens` (this step's verified tokens of `req`, not yet appended).
         A constrained request's grammar is left past its drafts (the next step's masks walk it back)."""
-        if (req.grammar is None and self.spec is None) or tokens[-1] in req.stop_token_ids:
+        prediction = req.prediction
+        nothing = req.grammar is None and self.spec is None and prediction is None
+        if nothing or tokens[-1] in req.stop_token_ids:
             return []  # the default path, once per request and step: nothing can propose
-        verified = req.num_tokens - req.num_draft_tokens + len(tokens)  # once this step is applied
+        end = req.num_tokens - req.num_draft_tokens  # verified tokens before this step's
+        verified = end + len(tokens)  # once this step is applied
+        recent: list[int] = []
+        if prediction is not None:
+            start = req.num_prompt_tokens + prediction.num_observed
+            recent = (req.token_ids[max(req.num_prompt_tokens, end - MATCH_MAX) : end] + tokens)[-MATCH_MAX:]
+            prediction.observe(req.token_ids[start:end] + tokens, recent)
         # Room for the drafts and the token sampled after them, within max_tokens and the context.
         room = min(req.max_tokens - (verified - req.num_prompt_tokens), self.max_model_len - verified) - 1
         if room <= 0:
@@ -75,14 +105,27 @@ class Drafter:
                 history = req.output_token_ids + tokens
                 drafts = grammars.jump_forward(grammar, history, max_tokens=room)
                 self.stats.num_jump_forward_tokens += len(drafts)
+                if drafts:
+                    self._forced[req] = len(drafts)
+        if prediction is not None and num_running <= self.prediction_limit:
+            want = min(self.prediction_num_drafts, room) - len(drafts)
+            more = _before_stop(req, prediction.propose(drafts, recent, want))
+            if grammar is not None:
+                more = _allowed_prefix(grammar, more)
+            if more:
+                prediction.span = (len(drafts), len(more))
+                drafts = drafts + more
         spec = self.spec
         if spec is None or num_running > spec.max_running_or_unlimited:
             return drafts
         want = min(spec.num_speculative_tokens, room) - len(drafts)
         if want <= 0:
             return drafts
-        verified_ids = req.token_ids[: req.num_tokens - req.num_draft_tokens] + tokens
-        more = ngram_propose(verified_ids + drafts, want, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        index = self._ngrams.get(req)
+        if index is None:
+            index = self._ngrams[req] = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        index.extend(req.token_ids[len(index.tokens) : end] + tokens)  # the verified tokens it lacks
+        more = _before_stop(req, index.propose(want, drafts))
         if grammar is not None:
             more = _allowed_prefix(grammar, more)
         return drafts + more
@@ -92,5 +135,15 @@ def _allowed_prefix(grammar, drafts: list[int]) -> list[int]:
     """The drafts the grammar accepts in order (it is left past them)."""
     for i, token in enumerate(drafts):
         if grammar.is_terminated() or not grammar.accept_token(token):
+            return drafts[:i]
+    return drafts
+
+
+def _before_stop(req: Request, drafts: list[int]) -> list[int]:
+    """The drafts before the first token that would end the sequence: that one is sampled, never
+    drafted (a request's grammar ends on it, and nothing after it is kept)."""
+    stops = req.stop_token_ids
+    for i, token in enumerate(drafts):
+        if token in stops or (req.grammar is not None and token in req.eos_token_ids):
             return drafts[:i]
     return drafts

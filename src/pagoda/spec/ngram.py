@@ -36,3 +36,43 @@ def _rindex(tokens: list[int], value: int, lo: int, hi: int) -> int:
         if tokens[i] == value:
             return i
     raise ValueError(value)
+
+
+class NgramIndex:
+    """`ngram_propose` over one request's verified tokens, kept up to date a step at a time: an
+    index of every `min_n`-gram's occurrences, so that a step costs O(new tokens + the earlier
+    occurrences of the last `min_n` tokens looked at), not O(context). The same drafts as
+    `ngram_propose(tokens, ...)` (tests/spec/test_ngram.py checks it)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], list[int]] = {}  # min_n tokens -> positions after each occurrence
+
+    def extend(self, new: Sequence[int]) -> None:
+        tokens, n = self.tokens, self.min_n
+        for token in new:
+            tokens.append(token)
+            if len(tokens) >= n:
+                self._ends.setdefault(tuple(tokens[-n:]), []).append(len(tokens))
+
+    def propose(self, num_drafts: int, after: Sequence[int] = ()) -> list[int]:
+        """Drafts to follow the indexed tokens and then `after` (drafts of an earlier proposer,
+        not indexed: that rarer case searches the whole sequence)."""
+        if after:
+            return ngram_propose(self.tokens + list(after), num_drafts, self.min_n, self.max_n)
+        tokens, length = self.tokens, len(self.tokens)
+        if num_drafts < 1 or length < self.min_n + 1:
+            return []
+        best, best_n = None, 0
+        for end in reversed(self._ends.get(tuple(tokens[length - self.min_n :]), ())):
+            if end >= length:
+                continue  # the suffix itself
+            n = self.min_n  # extend the match backwards, up to max_n
+            while n < self.max_n and end - n - 1 >= 0 and tokens[end - n - 1] == tokens[length - n - 1]:
+                n += 1
+            if n > best_n:  # the most recent among equally long ones
+                best, best_n = end, n
+                if n == self.max_n:
+                    break
+        return [] if best is None else tokens[best : best + num_drafts]

@@ -160,6 +160,7 @@ def _constrain_requests(
         "choice": _set(**choices),
         "structural_tag": _set_where("string", maxLength=limits.max_grammar_chars),
     }
+    prediction = {"content": _set_where("string", maxLength=limits.max_prediction_chars)}
     message: dict[str, Callable[[dict[str, Any]], None]] = {}
     if chat_roles is not None:
         message["role"] = _set(enum=list(chat_roles))
@@ -172,6 +173,7 @@ def _constrain_requests(
         ("StructuredOutputsField", structured),
         ("ChatMessage", message),
         ("ContentPart", part),
+        ("Prediction", prediction),
     ):
         schema = schemas.get(name)
         if schema is None:

@@ -83,6 +83,22 @@ class StructuredOutputsField(_Strict):
     structural_tag: dict[str, Any] | str | None = None
 
 
+class PredictionTextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Prediction(_Strict):
+    """OpenAI's predicted output: text the reply is expected to mostly repeat (a string, or text
+    content parts, joined)."""
+
+    type: Literal["content"]
+    content: StrictStr | list[PredictionTextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -99,6 +115,7 @@ class _SamplingRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    prediction: Prediction | None = None
     # vLLM's extras
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -202,6 +219,7 @@ class _SamplingRequest(_Strict):
             "skip_special_tokens": self.skip_special_tokens,
             "logit_bias": bias,
             "structured_outputs": structured,
+            "prediction": self.prediction.text() if self.prediction is not None else None,
         }
         # A null in the request means "the default", as an omitted field does (max_tokens: None is
         # meaningful, "up to the context length").
@@ -521,11 +539,19 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    """With a prediction: its tokens that are in the completion, and those that are not (OpenAI)."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # only with a prediction
 
 
 class CompletionLogprobs(BaseModel):

@@ -37,6 +37,7 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.reasoning import prompt_state
 from pagoda.entrypoints.openai.serving_common import (
     SSE_DONE,
+    PredictionCounts,
     ServerState,
     StreamResponse,
     check_logprob_start,
@@ -134,7 +135,11 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                 stop_reason=c.stop_reason,
             )
         )
-    usage = make_usage(len(prompt_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
+    counts = PredictionCounts()
+    for c in out.outputs:
+        counts.add(c.index, c)
+    num_completion = sum(len(c.token_ids) for c in out.outputs)
+    usage = make_usage(len(prompt_ids), num_completion, out.num_cached_tokens, counts.totals())
     return ChatCompletionResponse(
         id=request_id,
         created=now_s(),
@@ -194,12 +199,13 @@ async def _stream(
     exclude = None if include_usage else {"usage"}
     num_tokens = [0] * body.n
     num_cached = 0
+    counts = PredictionCounts()
     parsers = [plan.new_choice() for _ in range(body.n)]
 
     def chunk(choice: ChatChunkChoice) -> str:
         c = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
         if continuous:
-            c.usage = make_usage(num_prompt, sum(num_tokens), num_cached)
+            c.usage = make_usage(num_prompt, sum(num_tokens), num_cached, counts.totals())
         return sse(c.model_dump_json(exclude=exclude))
 
     try:
@@ -209,6 +215,7 @@ async def _stream(
             num_cached = out.num_cached_tokens
             for c in out.outputs:
                 num_tokens[c.index] += len(c.token_ids)
+                counts.add(c.index, c)
                 parser = parsers[c.index]
                 delta = parser.feed(c.text)
                 if c.finish_reason:
@@ -230,7 +237,7 @@ async def _stream(
                     )
                 )
         if include_usage:
-            usage = make_usage(num_prompt, sum(num_tokens), num_cached)
+            usage = make_usage(num_prompt, sum(num_tokens), num_cached, counts.totals())
             final = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage)
             yield sse(final.model_dump_json())
     except Exception as exc:

@@ -19,9 +19,14 @@ from pagoda.engine.input_processor import tokenize_prompt
 from pagoda.entrypoints.openai.chat_settings import ChatSettings
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.metrics import ServerMetrics
-from pagoda.entrypoints.openai.protocol import ParamError, PromptTokensDetails, Usage
+from pagoda.entrypoints.openai.protocol import (
+    CompletionTokensDetails,
+    ParamError,
+    PromptTokensDetails,
+    Usage,
+)
 from pagoda.limits import LimitError, RequestLimits, check_context
-from pagoda.outputs import Logprob, RequestOutput
+from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured.compile_pool import GrammarBusyError
 
@@ -120,13 +125,38 @@ def check_logprob_start(params: SamplingParams, prompts: Sequence[list[int]]) ->
             )
 
 
-def make_usage(num_prompt: int, num_completion: int, num_cached: int) -> Usage:
+def make_usage(
+    num_prompt: int, num_completion: int, num_cached: int, prediction: tuple[int, int] | None = None
+) -> Usage:
+    """`prediction`: (accepted, rejected) prediction tokens of all choices, when a prediction was given."""
     return Usage(
         prompt_tokens=num_prompt,
         completion_tokens=num_completion,
         total_tokens=num_prompt + num_completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+        completion_tokens_details=None
+        if prediction is None
+        else CompletionTokensDetails(
+            accepted_prediction_tokens=prediction[0], rejected_prediction_tokens=prediction[1]
+        ),
     )
+
+
+class PredictionCounts:
+    """The latest (accepted, rejected) prediction counts of each choice of a response (outputs carry
+    running totals), summed for its usage; None when the request had no prediction."""
+
+    def __init__(self) -> None:
+        self._latest: dict[object, tuple[int, int]] = {}
+
+    def add(self, key: object, c: CompletionOutput) -> None:
+        if c.accepted_prediction_tokens is not None:
+            self._latest[key] = (c.accepted_prediction_tokens, c.rejected_prediction_tokens or 0)
+
+    def totals(self) -> tuple[int, int] | None:
+        if not self._latest:
+            return None
+        return sum(a for a, _ in self._latest.values()), sum(r for _, r in self._latest.values())
 
 
 def top_entries(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:

@@ -22,6 +22,7 @@ from pagoda.entrypoints.openai.protocol import (
 )
 from pagoda.entrypoints.openai.serving_common import (
     SSE_DONE,
+    PredictionCounts,
     ServerState,
     StreamResponse,
     check_logprob_start,
@@ -84,6 +85,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         return result
     choices = []
     num_completion = num_cached = 0
+    counts = PredictionCounts()
     for out in sorted(result, key=lambda o: index_of[o.request_id]):
         p = index_of[out.request_id]
         num_cached += out.num_cached_tokens
@@ -91,6 +93,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
             if body.echo_only:
                 c = CompletionOutput(c.index, "", [], [], "length", None)
             num_completion += len(c.token_ids)
+            counts.add((p, c.index), c)
             logprobs = None
             if body.logprobs is not None:
                 logprobs = CompletionLogprobs()
@@ -111,7 +114,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
                 )
             )
     choices.sort(key=lambda c: c.index)
-    usage = make_usage(sum(map(len, prompt_ids)), num_completion, num_cached)
+    usage = make_usage(sum(map(len, prompt_ids)), num_completion, num_cached, counts.totals())
     return CompletionResponse(id=base_id, created=now_s(), model=model, choices=choices, usage=usage)
 
 
@@ -135,6 +138,7 @@ async def _stream(
     cached: dict[str, int] = {}  # request id -> prompt tokens served by the prefix cache
     # The prompt's logprobs come with its first output; every sample's echo needs them.
     prompt_lps: dict[int, list] = {}
+    counts = PredictionCounts()
     try:
         async for out in checked(stream):
             cached[out.request_id] = out.num_cached_tokens
@@ -145,6 +149,7 @@ async def _stream(
                 if body.echo_only:  # the one token the engine made is not part of the answer
                     c = CompletionOutput(c.index, "", [], [], c.finish_reason and "length", None)
                 index = p * n + c.index
+                counts.add(index, c)
                 state_c = choices[index]
                 state_c.num_tokens += len(c.token_ids)
                 echo = state_c.echo is not None
@@ -177,11 +182,13 @@ async def _stream(
                 )
                 if continuous:
                     num_completion = sum(ch.num_tokens for ch in choices.values())
-                    chunk.usage = make_usage(num_prompt, num_completion, sum(cached.values()))
+                    chunk.usage = make_usage(
+                        num_prompt, num_completion, sum(cached.values()), counts.totals()
+                    )
                 yield sse(chunk.model_dump_json(exclude=None if include_usage else {"usage"}))
         if include_usage:
             num_completion = sum(ch.num_tokens for ch in choices.values())
-            usage = make_usage(num_prompt, num_completion, sum(cached.values()))
+            usage = make_usage(num_prompt, num_completion, sum(cached.values()), counts.totals())
             final = CompletionResponse(id=base_id, created=created, model=model, choices=[], usage=usage)
             yield sse(final.model_dump_json())
     except Exception as exc:
