@@ -189,3 +189,28 @@ def test_long_bfloat16_prefill_matches_reference(paged_harness):
     for out, expected in run_steps(paged_harness, steps, 4, 2, block_size=16, dtype=torch.bfloat16):
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_bfloat16_short_runs_attend_natively_beside_long_ones(paged_harness, monkeypatch):
+    """Decodes and verification-sized runs (up to NATIVE_MAX_QUERY_LEN new tokens) go to the
+    native kernel in one call, the leading ones of the batch; longer runs, and short ones after
+    them, through the PyTorch path. Every mix matches the reference."""
+    from pagoda.attention import torch_paged
+    from pagoda.kernels import cpu_ops
+
+    calls = []
+    native = cpu_ops.paged_attention
+    monkeypatch.setattr(
+        cpu_ops, "paged_attention", lambda q, *args: calls.append(q.shape[0]) or native(q, *args)
+    )
+    limit = torch_paged.NATIVE_MAX_QUERY_LEN
+    steps = [
+        [("a", 80), ("b", 20)],
+        [("b", 9), ("a", limit + 5), ("c", 3)],
+        [("c", 1), ("b", 1), ("a", limit)],
+        [("c", 1), ("a", 9), ("b", limit + 1)],
+    ]
+    for out, expected in run_steps(paged_harness, steps, 8, 2, block_size=16, dtype=torch.bfloat16):
+        torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+    if cpu_ops.applies(torch.zeros(1, dtype=torch.bfloat16)):
+        assert calls == [9, 2 + limit, 10]  # the first step leads with a long run: none

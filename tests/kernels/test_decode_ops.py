@@ -1,5 +1,5 @@
-"""RMSNorm, rotary and paged decode attention kernels on every variant: against the torch path
-and fp64 references, and bit for bit across variants."""
+"""RMSNorm, rotary and paged attention (decodes and several query rows per sequence) kernels on
+every variant: against the torch path and fp64 references, and bit for bit across variants."""
 
 from __future__ import annotations
 
@@ -47,23 +47,34 @@ def test_rotary_in_place_equals_the_torch_expression(
     assert torch.equal(rotated[:, heads:], base[:, heads:])  # the other heads are untouched
 
 
-def _dense_decode(q, keys, values, scale, window):
-    """fp64 attention of one query per sequence over its key/value rows (a list per sequence)."""
-    out = []
-    for b, (k, v) in enumerate(zip(keys, values, strict=True)):
-        if window:
-            k, v = k[-window:], v[-window:]
+def _dense(q, keys, values, query_lens, scale, window):
+    """fp64 attention: sequence b's `query_lens[b]` query rows (its last positions, in order in
+    `q`) over its key/value rows (a list per sequence), causal, with an optional window."""
+    out, row = [], 0
+    for k, v, rows in zip(keys, values, query_lens, strict=True):
+        n = k.shape[0]
         group = q.shape[1] // k.shape[1]
         k = k.double().repeat_interleave(group, dim=1)
         v = v.double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,khd->hk", q[b].double(), k) * scale
-        out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
-    return torch.stack(out)
+        scores = torch.einsum("qhd,khd->hqk", q[row : row + rows].double(), k) * scale
+        query_pos = torch.arange(n - rows, n)[:, None]
+        key_pos = torch.arange(n)[None, :]
+        visible = key_pos <= query_pos
+        if window:
+            visible &= key_pos > query_pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        row += rows
+    return torch.cat(out)
 
 
-def _paged_case(heads, kv_heads, head_dim, block_size, lens=(1, 9, 33, 70), seed=0):
+def _paged_case(heads, kv_heads, head_dim, block_size, lens=(1, 9, 33, 70), query_lens=None, seed=0):
+    """Sequences of `lens` tokens in a garbage-filled paged cache, with `query_lens` (default one
+    each) query rows at their last positions; returns (q, cache, tables, seq_lens,
+    query_start_loc, keys, values)."""
+    query_lens = query_lens or [1] * len(lens)
     g = torch.Generator().manual_seed(head_dim + block_size + seed)
-    num_blocks = 128
+    num_blocks = sum(-(-n // block_size) for n in lens) + 32
     # Slots no sequence owns hold large garbage: only the block tables may lead to data.
     cache = (torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g) * 100).bfloat16()
     free = torch.randperm(num_blocks, generator=g).tolist()
@@ -80,8 +91,19 @@ def _paged_case(heads, kv_heads, head_dim, block_size, lens=(1, 9, 33, 70), seed
             cache[1, blocks[t // block_size], t % block_size] = v[t]
         keys.append(k)
         values.append(v)
-    q = torch.randn(len(lens), heads, head_dim, generator=g).bfloat16()
-    return q, cache, tables, torch.tensor(lens, dtype=torch.int32), keys, values
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=g).bfloat16()
+    starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return q, cache, tables, torch.tensor(lens, dtype=torch.int32), starts, keys, values
+
+
+def _new_slots(tables, seq_lens, starts, block_size):
+    """int64 cache slots of every query row (the sequences' last positions)."""
+    slots = []
+    for b in range(len(seq_lens)):
+        rows = int(starts[b + 1] - starts[b])
+        for pos in range(int(seq_lens[b]) - rows, int(seq_lens[b])):
+            slots.append(int(tables[b, pos // block_size]) * block_size + pos % block_size)
+    return torch.tensor(slots, dtype=torch.int64)
 
 
 @pytest.mark.parametrize(
@@ -90,52 +112,112 @@ def _paged_case(heads, kv_heads, head_dim, block_size, lens=(1, 9, 33, 70), seed
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 @pytest.mark.parametrize("window", [None, 1, 7])
 def test_paged_decode_attention_matches_dense(variant, heads, kv_heads, head_dim, block_size, window) -> None:
-    q, cache, tables, seq_lens, keys, values = _paged_case(heads, kv_heads, head_dim, block_size)
+    q, cache, tables, seq_lens, starts, keys, values = _paged_case(heads, kv_heads, head_dim, block_size)
     scale = head_dim**-0.5
-    out = cpu_ops.paged_decode_attention(q, cache, tables, seq_lens, scale, window)
+    out = cpu_ops.paged_attention(q, cache, tables, seq_lens, starts, scale, window)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    expected = _dense_decode(q, keys, values, scale, window)
+    expected = _dense(q, keys, values, [1] * len(keys), scale, window)
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2**-7)
     # A strided query (a view into a wider qkv row) gives the same result.
     wide = torch.zeros(q.shape[0], heads + 3, head_dim, dtype=torch.bfloat16)
     wide[:, :heads] = q
     assert torch.equal(
-        cpu_ops.paged_decode_attention(wide[:, :heads], cache, tables, seq_lens, scale, window), out
+        cpu_ops.paged_attention(wide[:, :heads], cache, tables, seq_lens, starts, scale, window), out
     )
+
+
+# (lens, query rows): verification steps of k + 1 rows beside decodes, a sequence whose rows are
+# all its tokens, and runs longer than one tile of rows (64 / heads-per-KV-head).
+MULTI_ROW = [
+    ((12, 40, 9, 70), (9, 1, 9, 3)),
+    ((5, 77, 130), (5, 66, 2)),
+]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 2, 32), (14, 2, 64), (6, 1, 80), (4, 4, 16)])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("window", [None, 1, 7])
+@pytest.mark.parametrize(("lens", "query_lens"), MULTI_ROW)
+def test_paged_attention_of_several_rows_matches_dense(
+    variant, heads, kv_heads, head_dim, block_size, window, lens, query_lens
+) -> None:
+    q, cache, tables, seq_lens, starts, keys, values = _paged_case(
+        heads, kv_heads, head_dim, block_size, lens, query_lens
+    )
+    scale = head_dim**-0.5
+    out = cpu_ops.paged_attention(q, cache, tables, seq_lens, starts, scale, window)
+    expected = _dense(q, keys, values, query_lens, scale, window)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2**-7)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_verification_rows_equal_their_decodes_bit_for_bit(variant: str, block_size: int) -> None:
+    """Without a window, each of k + 1 query rows gives the bits a one-row decode at its position
+    gives (speculation on and off see the same attention)."""
+    lens, query_lens = (40, 23), (9, 5)
+    q, cache, tables, seq_lens, starts, _, _ = _paged_case(14, 2, 64, block_size, lens, query_lens)
+    together = cpu_ops.paged_attention(q, cache, tables, seq_lens, starts, 0.125, None)
+    row = 0
+    for b, rows in enumerate(query_lens):
+        for i in range(rows):
+            length = torch.tensor([lens[b] - rows + 1 + i], dtype=torch.int32)
+            alone = cpu_ops.paged_attention(
+                q[row : row + 1],
+                cache,
+                tables[b : b + 1],
+                length,
+                torch.tensor([0, 1], dtype=torch.int32),
+                0.125,
+                None,
+            )
+            assert torch.equal(alone, together[row : row + 1]), f"sequence {b} row {i}"
+            row += 1
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 16])
-def test_paged_decode_attention_writes_the_new_keys_and_values(variant: str, block_size: int) -> None:
-    q, cache, tables, seq_lens, keys, values = _paged_case(14, 2, 64, block_size)
-    last = seq_lens.long() - 1
-    slots = tables[torch.arange(len(keys)), last // block_size].long() * block_size + last % block_size
-    new_k = torch.stack([k[-1] for k in keys])  # already in `cache`: compare against a garbage-filled copy
-    new_v = torch.stack([v[-1] for v in values])
-    expected = cpu_ops.paged_decode_attention(q, cache, tables, seq_lens, 0.125, None)
+@pytest.mark.parametrize("query_lens", [None, (1, 9, 3, 66)])
+def test_paged_attention_writes_the_new_keys_and_values(variant: str, block_size: int, query_lens) -> None:
+    q, cache, tables, seq_lens, starts, keys, values = _paged_case(
+        14, 2, 64, block_size, query_lens=query_lens
+    )
+    rows = (starts[1:] - starts[:-1]).tolist()
+    slots = _new_slots(tables, seq_lens, starts, block_size)
+    # Already in `cache`: compare against a garbage-filled copy.
+    new_k = torch.cat([k[len(k) - r :] for k, r in zip(keys, rows, strict=True)])
+    new_v = torch.cat([v[len(v) - r :] for v, r in zip(values, rows, strict=True)])
+    expected = cpu_ops.paged_attention(q, cache, tables, seq_lens, starts, 0.125, None)
     stale = cache.clone()
     flat = stale.view(2, -1, 2, 64)
     flat[:, slots] = 7.0
-    wide = torch.zeros(len(keys), 2 * 2 + 14, 64, dtype=torch.bfloat16)  # k and v as views into one row
+    wide = torch.zeros(len(slots), 2 * 2 + 14, 64, dtype=torch.bfloat16)  # k and v as views into one row
     wide[:, 14:16], wide[:, 16:] = new_k, new_v
-    out = cpu_ops.paged_decode_attention(
-        q, stale, tables, seq_lens, 0.125, None, (wide[:, 14:16], wide[:, 16:], slots)
+    out = cpu_ops.paged_attention(
+        q, stale, tables, seq_lens, starts, 0.125, None, (wide[:, 14:16], wide[:, 16:], slots)
     )
     assert torch.equal(out, expected) and torch.equal(stale, cache)
     with pytest.raises(RuntimeError, match="is not the block table's slot"):
-        cpu_ops.paged_decode_attention(q, stale, tables, seq_lens, 0.125, None, (new_k, new_v, slots + 1))
+        cpu_ops.paged_attention(q, stale, tables, seq_lens, starts, 0.125, None, (new_k, new_v, slots + 1))
 
 
-def test_paged_decode_attention_rejects_bad_tables(variant: str) -> None:
+def test_paged_attention_rejects_bad_tables(variant: str) -> None:
     cache = torch.zeros(2, 4, 2, 1, 16, dtype=torch.bfloat16)
     q = torch.zeros(1, 2, 16, dtype=torch.bfloat16)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+
+    def call(table, length, starts=one, rows=q):
+        table = torch.tensor([table], dtype=torch.int32)
+        cpu_ops.paged_attention(
+            rows, cache, table, torch.tensor([length], dtype=torch.int32), starts, 1.0, None
+        )
+
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu_ops.paged_decode_attention(
-            q, cache, torch.tensor([[7]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32), 1.0, None
-        )
+        call([7], 2)
     with pytest.raises(RuntimeError, match="beyond its block table"):
-        cpu_ops.paged_decode_attention(
-            q, cache, torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 1.0, None
-        )
+        call([0], 3)
+    with pytest.raises(RuntimeError, match="query rows for length"):
+        call([0, 1], 1, torch.tensor([0, 2], dtype=torch.int32), torch.zeros(2, 2, 16, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="query_start_loc must run from 0"):
+        call([0], 2, torch.tensor([0, 2], dtype=torch.int32))
 
 
 @requires_variants
@@ -147,15 +229,19 @@ def test_variants_agree_bit_for_bit() -> None:
     residual = torch.randn(5, 100, generator=g).bfloat16()
     rot = torch.randn(6, 5, 80, generator=g).bfloat16()
     cos, sin = torch.randn(6, 1, 80, generator=g).bfloat16().chunk(2, dim=-1)
-    cases = [_paged_case(14, 2, 64, 16, lens=(1, 17, 300)), _paged_case(6, 1, 272, 5, lens=(40, 3))]
+    cases = [
+        _paged_case(14, 2, 64, 16, lens=(1, 17, 300)),
+        _paged_case(6, 1, 272, 5, lens=(40, 3)),
+        _paged_case(14, 2, 64, 16, lens=(30, 300), query_lens=(9, 70)),
+    ]
 
     def run():
         rotated = rot.clone()
         cpu_ops.rotary_(rotated, cos, sin)
         outs = [*cpu_ops.add_rms_norm(x, residual, norm.weight, norm.eps), rotated]
-        for q, cache, tables, seq_lens, _, _ in cases:
+        for q, cache, tables, seq_lens, starts, _, _ in cases:
             for window in (None, 9):
-                outs.append(cpu_ops.paged_decode_attention(q, cache, tables, seq_lens, 0.125, window))
+                outs.append(cpu_ops.paged_attention(q, cache, tables, seq_lens, starts, 0.125, window))
         return outs
 
     results = on_every_variant(run)

@@ -11,9 +11,10 @@ import torch
 class AttentionMetadata:
     """A flat batch of B sequences and T new tokens.
 
-    The runner orders sequences so that the first `num_decodes` have exactly one new token each
-    (decodes); the rest (prefills, possibly chunks of a prompt, possibly after a prefix-cache hit)
-    follow. Sequence i's new tokens are `query_start_loc[i]:query_start_loc[i+1]` in the flat batch,
+    The runner orders sequences by their number of new tokens, fewest first: the first
+    `num_decodes` have exactly one new token each (decodes); the rest (speculative verification
+    steps of k + 1 tokens, prefills, possibly chunks of a prompt, possibly after a prefix-cache
+    hit) follow. Sequence i's new tokens are `query_start_loc[i]:query_start_loc[i+1]` in the flat batch,
     at positions `seq_lens[i] - query_len_i ... seq_lens[i] - 1`; it attends to every cached token
     of its own sequence at a position <= its own (causal), read through `block_tables[i]`.
     """
@@ -39,3 +40,16 @@ class AttentionMetadata:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
+
+    def num_leading_seqs_with_at_most(self, query_len: int) -> int:
+        """How many sequences from the first on have at most `query_len` new tokens each (in the
+        runner's order, fewest first, that is all of them). Computed once per step and length."""
+        cache = self.__dict__.setdefault("_leading_counts", {})
+        count = cache.get(query_len)
+        if count is None:
+            starts = self.query_start_loc_cpu
+            count = 0
+            while count < len(starts) - 1 and starts[count + 1] - starts[count] <= query_len:
+                count += 1
+            cache[query_len] = count
+        return count

@@ -7,9 +7,10 @@ Decodes run as one batched call: their blocks are gathered through the block tab
 `[B, max_len, num_kv_heads, head_dim]` and masked per sequence length. Prefills (and prompt chunks)
 run one sequence at a time; a prompt with no cached context attends to its own fresh K/V with
 `is_causal`, otherwise its context is gathered from the cache and masked bottom-right causally.
-Long bfloat16 prefills on CPUs without AMX run in float32 (see `pagoda.kernels.precision`); bf16
-decodes on x86-64 CPUs (AVX2 and up) run in a native kernel that reads the blocks in place
-(`pagoda.kernels.cpu_ops`).
+Long bfloat16 prefills on CPUs without AMX run in float32 (see `pagoda.kernels.precision`). In
+bf16 on x86-64 CPUs (AVX2 and up) every sequence with few new tokens (decodes, speculative
+verification steps, short chunks) runs in one native call that reads the blocks in place
+(`pagoda.kernels.cpu_ops.paged_attention`); the runner puts those sequences first.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from pagoda.attention.backend import AttentionBackend, register_attention_backen
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.kernels import cpu_ops
 from pagoda.kernels.precision import upcast_to_fp32
+
+# Sequences with at most this many new tokens (decodes, the k + 1 rows that verify k <= 64
+# speculative drafts, short prompt chunks) attend in the native kernel where it applies; longer
+# ones through scaled_dot_product_attention.
+NATIVE_MAX_QUERY_LEN = 65
 
 
 @register_attention_backend("torch")
@@ -50,26 +56,55 @@ class TorchPagedAttention(AttentionBackend):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         md = attn_metadata
-        num_decodes = md.num_decodes
-        if num_decodes and num_decodes == md.num_seqs and cpu_ops.applies(q, k, v, kv_cache):
-            # One native call writes the new K/V rows and attends (a decode-only batch).
-            return cpu_ops.paged_decode_attention(
-                q,
+        native = md.num_leading_seqs_with_at_most(NATIVE_MAX_QUERY_LEN)
+        if native and cpu_ops.applies(q, k, v, kv_cache):
+            if native == md.num_seqs:
+                # One native call writes the new K/V rows and attends (decodes and verification steps).
+                return cpu_ops.paged_attention(
+                    q,
+                    kv_cache,
+                    md.block_tables,
+                    md.seq_lens,
+                    md.query_start_loc,
+                    self.scale,
+                    self.sliding_window,
+                    (k, v, md.slot_mapping),
+                )
+            self.write_kv(k, v, kv_cache, md.slot_mapping)
+            out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+            short = md.query_start_loc_cpu[native]
+            out[:short] = cpu_ops.paged_attention(
+                q[:short],
                 kv_cache,
                 md.block_tables,
                 md.seq_lens,
+                md.query_start_loc[: native + 1],
                 self.scale,
                 self.sliding_window,
-                (k, v, md.slot_mapping),
             )
+            return self._prefills(q, k, v, kv_cache, md, native, out)
         self.write_kv(k, v, kv_cache, md.slot_mapping)
+        num_decodes = md.num_decodes
         if num_decodes and num_decodes == md.num_seqs:
             return self._decode(q, kv_cache, md)
         out = torch.empty(q.shape[0], self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, md)
+        return self._prefills(q, k, v, kv_cache, md, num_decodes, out)
+
+    def _prefills(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        first: int,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Sequences `first ...` one at a time, into `out`."""
         starts = md.query_start_loc_cpu
-        for i in range(num_decodes, md.num_seqs):
+        for i in range(first, md.num_seqs):
             start, end = starts[i], starts[i + 1]
             out[start:end] = self._prefill(
                 q[start:end], k[start:end], v[start:end], kv_cache, md, i, md.seq_lens_cpu[i]
@@ -85,10 +120,6 @@ class TorchPagedAttention(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         batch = q.shape[0]
-        if cpu_ops.applies(q, kv_cache):
-            return cpu_ops.paged_decode_attention(
-                q, kv_cache, md.block_tables, md.seq_lens, self.scale, self.sliding_window
-            )
         block_size = md.block_size
         max_len = max(md.seq_lens_cpu[:batch])
         num_blocks = -(-max_len // block_size)

@@ -1,5 +1,6 @@
 """bf16 CPU kernels for the decode path (`csrc/decode_ops.cpp`): RMSNorm with a fused residual
-add, rotary embedding in place, and paged decode attention reading K/V through the block tables.
+add, rotary embedding in place, and paged attention for a few query rows per sequence (decodes
+and speculative verification) reading K/V through the block tables.
 
 Each wrapper says with `applies(...)` whether it can take the given tensors (bf16 on the CPU,
 kernels built); callers keep their PyTorch path for everything else.
@@ -49,20 +50,25 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x
 
 
-def paged_decode_attention(
+def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int | None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Attention of one new query token per sequence, `q: [B, H, D]`, over the sequence's
-    `seq_lens[b]` cached positions (its last `sliding_window` only, if set) → `[B, H, D]`.
-    With `new_kv = (k, v, slot_mapping)` (`[B, Hkv, D]` twice and int64 `[B]`) the new tokens'
-    keys and values are written to their cache slots first, in the same call."""
+    """Attention of a few new query rows per sequence, `q: [T, H, D]` → `[T, H, D]`: sequence
+    b's rows are `query_start_loc[b] : query_start_loc[b + 1]` (int32 `[B + 1]`), its last
+    positions; each attends causally to its sequence's cached positions up to its own (the last
+    `sliding_window` only, if set). One row per sequence is a decode; k + 1 rows verify k drafts.
+    With `new_kv = (k, v, slot_mapping)` (`[T, Hkv, D]` twice and int64 `[T]`) the new tokens'
+    keys and values are written to their cache slots first, in the same call. Meant for short
+    query runs: each (sequence, KV head) task holds `rows x heads-per-KV-head` score rows over
+    the context at once (in tiles of up to 64)."""
     k, v, slots = new_kv if new_kv is not None else (None, None, None)
-    return _op("paged_decode_attention")(
-        q, kv_cache, block_tables, seq_lens, scale, sliding_window or 0, k, v, slots
+    return _op("paged_attention")(
+        q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window or 0, k, v, slots
     )

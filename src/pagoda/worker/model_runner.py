@@ -72,8 +72,9 @@ class ModelRunner:
         prompt positions owed prompt logprobs in this step's chunks are scored too."""
         if out.block_copies:
             self._copy_blocks(out.block_copies)
-        # Decodes (one new token) first: the attention backend batches them in one call.
-        batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Fewest new tokens first (decodes, then verification steps and short chunks): the
+        # attention backend batches the leading short ones in one call.
+        batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens)
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)
 

@@ -1,6 +1,8 @@
 // Small bf16 CPU ops on the decode path (built per variant over vec.h), where torch spends more
-// time dispatching a dozen tiny ops than computing: RMSNorm with the residual add fused, rotary embedding in place, and paged
-// decode attention that reads K/V straight from the block tables (no gather, no mask tensor).
+// time dispatching a dozen tiny ops than computing: RMSNorm with the residual add fused, rotary
+// embedding in place, and paged attention for a few query rows per sequence (decodes and
+// speculative verification) that reads K/V straight from the block tables (no gather, no mask
+// tensor).
 //
 // Numerics: RMSNorm rounds exactly where transformers' bf16 RMSNorm rounds (the sum x + residual,
 // the normalised value, the product with the weight) and keeps the statistics in fp32, so it
@@ -119,9 +121,13 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-// ---- paged decode attention ------------------------------------------------------------------
+// ---- paged attention for a few query rows per sequence --------------------------------------
 
 constexpr int64_t kPrefetchAhead = 16;  // positions ahead whose K/V rows are prefetched
+// Score rows (query rows x query heads of one KV head) one task holds at once: a sequence's
+// query rows are split into tiles of max(1, kRowTile / G) rows, each reading the K/V of its
+// positions once for all its rows. (A verification step of k drafts is k + 1 rows: one tile.)
+constexpr int64_t kRowTile = 64;
 
 inline void prefetch_row(const uint16_t* row, int64_t D) {
   for (int64_t i = 0; i < D; i += 32) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
@@ -135,74 +141,91 @@ struct VRows {
   const uint16_t* row(int64_t t) const { return cache + offsets[t - start]; }
 };
 
+// Where score row r (query row r / G, query head r % G of the KV head's group) is written.
+struct OutRows {
+  uint16_t* base;  // row 0
+  int64_t G, ld_query, D;
+  uint16_t* row(int64_t r) const { return base + (r / G) * ld_query + (r % G) * D; }
+};
+
 // The V pass takes up to kPassVecs vectors (16 dimensions each) of the head at once, with a tile
-// of heads_per_tile(C) query heads x C vectors of fp32 sums in registers beside the C values
-// and one weight.
+// of rows_per_tile(C) score rows x C vectors of fp32 sums in registers beside the C values and
+// one weight.
 #if defined(PAGODA_AVX512)
 constexpr int kPassVecs = 8;
-constexpr int heads_per_tile(int c) { return c == 8 ? 2 : c >= 5 ? 3 : 24 / c; }
+constexpr int rows_per_tile(int c) { return c == 8 ? 2 : c >= 5 ? 3 : 24 / c; }
 #else
 constexpr int kPassVecs = 2;
-constexpr int heads_per_tile(int c) { return c == 1 ? 6 : 2; }
+constexpr int rows_per_tile(int c) { return c == 1 ? 6 : 2; }
 #endif
 
-// out[g][d0, d0 + 16 C) = sum_t p[g][t] * v[t][d0, ...] / sums[g] for the G query heads of one KV
-// head (p: [G, len - start]).
+// out[r][d0, d0 + 16 C) = sum_t p[r][t] * v[t][d0, ...] / sums[r] for R score rows (p: [R, len - start]).
 template <int C>
-void accumulate_v(const VRows& rows, int64_t d0, const float* p, const float* inv_sum, int64_t G, uint16_t* out) {
-  constexpr int GT = heads_per_tile(C);
+void accumulate_v(const VRows& rows, int64_t d0, const float* p, const float* inv_sum, int64_t R, const OutRows& out) {
+  constexpr int RT = rows_per_tile(C);
   const int64_t n = rows.len - rows.start;
   Mask masks[C];
   for (int c = 0; c < C; ++c) masks[c] = tail_mask(rows.D - d0 - c * 16);
-  for (int64_t g0 = 0; g0 < G; g0 += GT) {
-    const int64_t gt = std::min<int64_t>(GT, G - g0);
-    VecF acc[GT][C];
-    for (int g = 0; g < GT; ++g)
-      for (int c = 0; c < C; ++c) acc[g][c] = zero();
+  for (int64_t r0 = 0; r0 < R; r0 += RT) {
+    const int64_t rt = std::min<int64_t>(RT, R - r0);
+    VecF acc[RT][C];
+    for (int r = 0; r < RT; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = zero();
     for (int64_t t = rows.start; t < rows.len; ++t) {
       const uint16_t* v = rows.row(t) + d0;
       if (t + kPrefetchAhead < rows.len) prefetch_row(rows.row(t + kPrefetchAhead) + d0, 16 * C);
       VecF vv[C];
       for (int c = 0; c < C; ++c) vv[c] = load_bf16(v + c * 16, masks[c]);
-      for (int g = 0; g < GT; ++g) {
-        if (g < gt) {
-          const VecF w = set1(p[(g0 + g) * n + (t - rows.start)]);
-          for (int c = 0; c < C; ++c) acc[g][c] = fmadd(w, vv[c], acc[g][c]);
+      for (int r = 0; r < RT; ++r) {
+        if (r < rt) {
+          const VecF w = set1(p[(r0 + r) * n + (t - rows.start)]);
+          for (int c = 0; c < C; ++c) acc[r][c] = fmadd(w, vv[c], acc[r][c]);
         }
       }
     }
-    for (int g = 0; g < gt; ++g) {
-      const VecF inv = set1(inv_sum[g0 + g]);
-      for (int c = 0; c < C; ++c) store_bf16(out + (g0 + g) * rows.D + d0 + c * 16, mul(acc[g][c], inv), masks[c]);
+    for (int r = 0; r < rt; ++r) {
+      const VecF inv = set1(inv_sum[r0 + r]);
+      uint16_t* o = out.row(r0 + r) + d0;
+      for (int c = 0; c < C; ++c) store_bf16(o + c * 16, mul(acc[r][c], inv), masks[c]);
     }
   }
 }
 
 // accumulate_v<c> for 1 <= c <= C.
 template <int C>
-void accumulate_pass(int c, const VRows& rows, int64_t d0, const float* p, const float* inv_sum, int64_t G,
-                     uint16_t* out) {
+void accumulate_pass(int c, const VRows& rows, int64_t d0, const float* p, const float* inv_sum, int64_t R,
+                     const OutRows& out) {
   if constexpr (C > 1) {
-    if (c < C) return accumulate_pass<C - 1>(c, rows, d0, p, inv_sum, G, out);
+    if (c < C) return accumulate_pass<C - 1>(c, rows, d0, p, inv_sum, R, out);
   }
-  accumulate_v<C>(rows, d0, p, inv_sum, G, out);
+  accumulate_v<C>(rows, d0, p, inv_sum, R, out);
 }
 
-// q [B, H, D] (one new token per sequence), kv_cache [2, blocks, block_size, Hkv, D]; sequence b
-// attends to its positions [start, seq_lens[b]) read through block_tables[b], where start skips
-// all but the last `window` positions when window > 0. With k, v [B, Hkv, D] and slot_mapping
-// [B] (int64), the new tokens' keys and values are first written to their cache slots (each
-// (sequence, KV head) task writes its own row, then reads), which saves the separate copies.
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale, int64_t window,
-                                  const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
-                                  const std::optional<at::Tensor>& slot_mapping) {
+// q [T, H, D]: sequence b's query rows are query_start_loc[b] .. query_start_loc[b + 1] at its
+// last positions (seq_lens[b] - rows ... seq_lens[b] - 1), so one new token per sequence is a
+// decode, and k + 1 rows are a verification step; kv_cache [2, blocks, block_size, Hkv, D]. The
+// query at position p attends causally to the positions [lo, p] of its sequence, read through
+// block_tables[b], with lo = p - window + 1 when window > 0 (else 0). With k, v [T, Hkv, D] and
+// slot_mapping [T] (int64), the new tokens' keys and values are first written to their cache
+// slots, which saves the separate copies.
+//
+// Numerics: scores, softmax and the weighted sum of V in fp32, rounded once. A row's masked
+// positions enter the sums as exact zeros, so without a window a query row gives the same bits
+// whether it is computed alone (a decode) or among the rows of a verification step.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, int64_t window,
+                           const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+                           const std::optional<at::Tensor>& slot_mapping) {
   check_bf16_cpu(q, "q");
   check_bf16_cpu(kv_cache, "kv_cache");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with contiguous heads");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with contiguous heads");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, blocks, block_size, Hkv, D] tensor");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) >= 1 &&
+                  query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
+                  query_start_loc.device().is_cpu(),
+              "query_start_loc must be a contiguous int32 CPU tensor [B + 1]");
+  const int64_t B = query_start_loc.size(0) - 1, T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), bs = kv_cache.size(2), Hkv = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == D, "kv_cache head_dim ", kv_cache.size(4), " != q head_dim ", D);
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "query heads ", H, " are not a multiple of KV heads ", Hkv);
@@ -215,10 +238,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t G = H / Hkv, C = (D + 15) / 16;
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int64_t ldt = block_tables.stride(0);
+  TORCH_CHECK(qsl[0] == 0 && qsl[B] == T, "query_start_loc must run from 0 to the ", T, " query rows");
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && (lens[b] + bs - 1) / bs <= block_tables.size(1), "sequence ", b, " has length ",
-                lens[b], " beyond its block table");
+    const int64_t rows = qsl[b + 1] - qsl[b];
+    TORCH_CHECK(rows >= 1 && rows <= lens[b], "sequence ", b, " has ", rows, " query rows for length ", lens[b]);
+    TORCH_CHECK((lens[b] + bs - 1) / bs <= block_tables.size(1), "sequence ", b, " has length ", lens[b],
+                " beyond its block table");
     for (int64_t j = 0; j < (lens[b] + bs - 1) / bs; ++j)
       TORCH_CHECK(tables[b * ldt + j] >= 0 && tables[b * ldt + j] < num_blocks, "sequence ", b, " block ", j,
                   " is out of range");
@@ -226,60 +253,78 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const bool write = k_new.has_value();
   TORCH_CHECK(write == v_new.has_value() && write == slot_mapping.has_value(),
               "k, v and slot_mapping come together");
-  const uint16_t *knp = nullptr, *vnp = nullptr;
-  const int64_t* slots = nullptr;
-  int64_t ldk = 0, ldkh = 0, ldv = 0, ldvh = 0;
+  uint16_t* cache_rows = reinterpret_cast<uint16_t*>(kv_cache.data_ptr<c10::BFloat16>());
   if (write) {
     for (const at::Tensor* t : {&*k_new, &*v_new}) {
       check_bf16_cpu(*t, "k and v");
-      TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == Hkv && t->size(2) == D && t->stride(2) == 1,
-                  "k and v must be [", B, ", ", Hkv, ", ", D, "] with contiguous heads");
+      TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) == Hkv && t->size(2) == D && t->stride(2) == 1,
+                  "k and v must be [", T, ", ", Hkv, ", ", D, "] with contiguous heads");
     }
-    TORCH_CHECK(slot_mapping->dim() == 1 && slot_mapping->size(0) == B && slot_mapping->scalar_type() == at::kLong &&
+    TORCH_CHECK(slot_mapping->dim() == 1 && slot_mapping->size(0) == T && slot_mapping->scalar_type() == at::kLong &&
                     slot_mapping->is_contiguous() && slot_mapping->device().is_cpu(),
-                "slot_mapping must be a contiguous int64 CPU tensor [", B, "]");
-    slots = slot_mapping->data_ptr<int64_t>();
+                "slot_mapping must be a contiguous int64 CPU tensor [", T, "]");
+    const int64_t* slots = slot_mapping->data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) {
-      // The new token is the sequence's last position: its slot must be where the table says.
-      const int64_t pos = lens[b] - 1;
-      TORCH_CHECK(slots[b] == static_cast<int64_t>(tables[b * ldt + pos / bs]) * bs + pos % bs, "sequence ", b,
-                  ": slot ", slots[b], " is not the block table's slot of position ", pos);
+      // The new tokens are the sequence's last positions: their slots must be where the table says.
+      for (int64_t i = qsl[b]; i < qsl[b + 1]; ++i) {
+        const int64_t pos = lens[b] - (qsl[b + 1] - i);
+        TORCH_CHECK(slots[i] == static_cast<int64_t>(tables[b * ldt + pos / bs]) * bs + pos % bs, "sequence ", b,
+                    ": slot ", slots[i], " is not the block table's slot of position ", pos);
+      }
     }
-    knp = u16(*k_new);
-    vnp = u16(*v_new);
-    ldk = k_new->stride(0), ldkh = k_new->stride(1), ldv = v_new->stride(0), ldvh = v_new->stride(1);
+    // Every row is written before any task reads (a tile may read rows another tile's task owns).
+    const uint16_t* knp = u16(*k_new);
+    const uint16_t* vnp = u16(*v_new);
+    const int64_t ldk = k_new->stride(0), ldkh = k_new->stride(1), ldv = v_new->stride(0), ldvh = v_new->stride(1);
+    const size_t bytes = static_cast<size_t>(D) * sizeof(uint16_t);
+    for (int64_t i = 0; i < T; ++i)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t row = (slots[i] * Hkv + h) * D;  // slot-major rows of [blocks * block_size, Hkv, D]
+        std::memcpy(cache_rows + row, knp + i * ldk + h * ldkh, bytes);
+        std::memcpy(cache_rows + kv_cache.stride(0) + row, vnp + i * ldv + h * ldvh, bytes);
+      }
   }
-  at::Tensor out = at::empty({B, H, D}, q.options());
+  // Tasks: (sequence, first query row of a tile) x KV head.
+  const int64_t tile_rows = std::max<int64_t>(1, kRowTile / G);
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  tiles.reserve(static_cast<size_t>(T / tile_rows + B));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = qsl[b]; i < qsl[b + 1]; i += tile_rows) tiles.emplace_back(b, i);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+
+  at::Tensor out = at::empty({T, H, D}, q.options());
   const uint16_t* qp = u16(q);
-  const uint16_t* kc = u16(kv_cache);
+  const uint16_t* kc = cache_rows;
   const uint16_t* vc = kc + kv_cache.stride(0);
   uint16_t* op = u16_mut(out);
-  uint16_t* cache_rows = reinterpret_cast<uint16_t*>(kv_cache.data_ptr<c10::BFloat16>());
   const int64_t ldq = q.stride(0), ldh = q.stride(1);
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qf(static_cast<size_t>(G * C * 16));  // scaled query heads, fp32
+  at::parallel_for(0, num_tiles * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    const int64_t max_rows = tile_rows * G;
+    std::vector<float> qf(static_cast<size_t>(max_rows * C * 16));  // scaled query rows, fp32
     std::vector<float> kf(static_cast<size_t>(16 * C * 16));
     std::vector<float> scores;
     std::vector<int64_t> offsets;
-    std::vector<float> inv_sum(static_cast<size_t>(G));
+    std::vector<float> inv_sum(static_cast<size_t>(max_rows));
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t len = lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const auto [b, first] = tiles[static_cast<size_t>(item / Hkv)];
+      const int64_t h = item % Hkv;
+      const int64_t last = std::min<int64_t>(first + tile_rows, qsl[b + 1]);  // query rows [first, last)
+      const int64_t Q = last - first, R = Q * G;
+      const int64_t pos0 = lens[b] - (qsl[b + 1] - first);  // position of query row `first`
+      // Positions [start, len) cover every row's keys; row i sees [lo_i, pos0 + i] of them.
+      const int64_t len = pos0 + Q;
+      const auto lo = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, pos0 + i - window + 1) : int64_t{0}; };
+      const int64_t start = lo(0);
       const int64_t n = len - start;
       const int32_t* table = tables + b * ldt;
-      if (write) {
-        const int64_t row = (slots[b] * Hkv + h) * D;  // slot-major rows of [blocks * block_size, Hkv, D]
-        std::memcpy(cache_rows + row, knp + b * ldk + h * ldkh, static_cast<size_t>(D) * sizeof(uint16_t));
-        std::memcpy(cache_rows + kv_cache.stride(0) + row, vnp + b * ldv + h * ldvh,
-                    static_cast<size_t>(D) * sizeof(uint16_t));
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < C; ++c)
-          store(qf.data() + (g * C + c) * 16,
-                mul(load_bf16(qp + b * ldq + (h * G + g) * ldh + c * 16, tail_mask(D - c * 16)), set1(fscale)));
-      scores.resize(static_cast<size_t>(G * n));
+      for (int64_t i = 0; i < Q; ++i)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t c = 0; c < C; ++c)
+            store(qf.data() + ((i * G + g) * C + c) * 16,
+                  mul(load_bf16(qp + (first + i) * ldq + (h * G + g) * ldh + c * 16, tail_mask(D - c * 16)),
+                      set1(fscale)));
+      scores.resize(static_cast<size_t>(R * n));
       offsets.resize(static_cast<size_t>(n));
       for (int64_t t = start, j = start / bs, slot = start % bs; t < len; ++t) {  // no division per position
         offsets[t - start] = ((static_cast<int64_t>(table[j]) * bs + slot) * Hkv + h) * D;
@@ -289,7 +334,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
         }
       }
       // Scores 16 positions at a time: widen their K rows once, then one vector of 16 sums per
-      // query head (no horizontal reduction per position).
+      // score row (no horizontal reduction per position).
       for (int64_t t0 = start; t0 < len; t0 += 16) {
         const int64_t count = std::min<int64_t>(16, len - t0);
         for (int64_t t = t0 + 16; t < std::min(len, t0 + 32); ++t) prefetch_row(kc + offsets[t - start], D);
@@ -298,39 +343,43 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
           const uint16_t* k = kc + offsets[t - start];
           for (int64_t c = 0; c < C; ++c) store(kf.data() + (j * C + c) * 16, load_bf16(k + c * 16, tail_mask(D - c * 16)));
         }
-        for (int64_t g = 0; g < G; ++g) {
+        for (int64_t r = 0; r < R; ++r) {
           VecF dots[16];
           for (int j = 0; j < 16; ++j) dots[j] = zero();
           for (int64_t c = 0; c < C; ++c) {
-            const VecF qv = load(qf.data() + (g * C + c) * 16);
+            const VecF qv = load(qf.data() + (r * C + c) * 16);
             for (int j = 0; j < 16; ++j) dots[j] = fmadd(qv, load(kf.data() + (j * C + c) * 16), dots[j]);
           }
-          store(scores.data() + g * n + (t0 - start), transpose_sum16(dots), tail_mask(count));
+          store(scores.data() + r * n + (t0 - start), transpose_sum16(dots), tail_mask(count));
         }
       }
-      // Softmax numerators in place; the division by their sum is applied to the output.
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * n;
+      // Softmax numerators in place, exact zeros outside the row's [lo, p]; the division by
+      // their sum is applied to the output.
+      for (int64_t r = 0; r < R; ++r) {
+        float* s = scores.data() + r * n;
+        const int64_t i = r / G, valid_lo = lo(i) - start, valid_hi = i + 1 + (pos0 - start);
         VecF mx = set1(-INFINITY);
-        for (int64_t t = 0; t < n; t += 16) {
-          const Mask m = tail_mask(n - t);
+        for (int64_t t = valid_lo; t < valid_hi; t += 16) {
+          const Mask m = tail_mask(valid_hi - t);
           mx = select(m, max(mx, load(s + t, m)), mx);
         }
         const VecF top = set1(reduce_max(mx));
+        std::fill(s, s + valid_lo, 0.0f);
+        std::fill(s + valid_hi, s + n, 0.0f);
         VecF sum = zero();
-        for (int64_t t = 0; t < n; t += 16) {
-          const Mask m = tail_mask(n - t);
+        for (int64_t t = valid_lo; t < valid_hi; t += 16) {
+          const Mask m = tail_mask(valid_hi - t);
           const VecF e = exp(sub(load(s + t, m), top));
           store(s + t, e, m);
           sum = add(sum, select(m, e, zero()));
         }
-        inv_sum[g] = 1.0f / reduce_add(sum);
+        inv_sum[r] = 1.0f / reduce_add(sum);
       }
       const VRows rows{vc, offsets.data(), D, start, len};
-      uint16_t* o = op + (b * H + h * G) * D;
+      const OutRows out_rows{op + (first * H + h * G) * D, G, H * D, D};
       for (int64_t d0 = 0; d0 < D; d0 += 16 * kPassVecs) {
         const int c = static_cast<int>(std::min<int64_t>(kPassVecs, (D - d0 + 15) / 16));
-        accumulate_pass<kPassVecs>(c, rows, d0, scores.data(), inv_sum.data(), G, o);
+        accumulate_pass<kPassVecs>(c, rows, d0, scores.data(), inv_sum.data(), R, out_rows);
       }
     }
   });
@@ -343,9 +392,9 @@ PAGODA_LIBRARY_FRAGMENT(m) {
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
   m.def(
-      "paged_decode_attention(Tensor q, Tensor(a!) kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
-      "int window, Tensor? k=None, Tensor? v=None, Tensor? slot_mapping=None) -> Tensor");
+      "paged_attention(Tensor q, Tensor(a!) kv_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+      "float scale, int window, Tensor? k=None, Tensor? v=None, Tensor? slot_mapping=None) -> Tensor");
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("rotary_", c10::DispatchKey::CPU, TORCH_FN(rotary_));
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }
