@@ -63,7 +63,7 @@ class DecodePlan:
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self._norm = build.op("add_rms_norm")
         self._rotary = build.op("rotary_")
-        self._attend = build.op("paged_decode_attention")
+        self._attend = build.op("paged_attention")
 
     @staticmethod
     def build(model) -> DecodePlan | None:
@@ -117,7 +117,7 @@ class DecodePlan:
         tokens = hidden.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = self.q_size, self.q_size + self.kv_size
-        tables, seq_lens, slots = md.block_tables, md.seq_lens, md.slot_mapping
+        tables, seq_lens, starts, slots = md.block_tables, md.seq_lens, md.query_start_loc, md.slot_mapping
         residual = None
         for layer in self.layers:
             if residual is None:
@@ -141,7 +141,16 @@ class DecodePlan:
                 rotary(k, cos, sin)
             v = qkv[:, k_end:].view(tokens, kv_heads, head_dim)
             out = attend(
-                q, layer.attn.kv_cache, tables, seq_lens, layer.scale, layer.sliding_window, k, v, slots
+                q,
+                layer.attn.kv_cache,
+                tables,
+                seq_lens,
+                starts,
+                layer.scale,
+                layer.sliding_window,
+                k,
+                v,
+                slots,
             )
             hidden = layer.o(out.view(tokens, q_end))
             hidden, residual = norm(hidden, residual, layer.post_norm, layer.eps)
