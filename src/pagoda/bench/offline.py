@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -117,6 +118,14 @@ class OfflineArgs:
         help="batch, single, prefill: what to compare with on the same prompts: transformers `generate`, "
         "llama-cpp-python on the same GGUF file, or none",
         choices=("transformers", "llama.cpp", "none"),
+    )
+    baseline_isa: str = arg(
+        "native",
+        help="transformers baseline: `native` runs it in this process with every instruction set torch "
+        "finds; `avx2` runs it in a subprocess with torch and oneDNN capped at AVX2 "
+        "(ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2), what transformers does on an AVX2-only "
+        "machine: the comparison for PAGODA_CPU_ISA=avx2",
+        choices=("native", "avx2"),
     )
     gguf: str | None = arg(
         None,
@@ -225,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(
                 "pagoda bench offline: --baseline llama.cpp runs the batch, single and prefill workloads"
             )
+    if args.baseline_isa != "native" and args.baseline != "transformers":
+        raise SystemExit("pagoda bench offline: --baseline-isa applies to --baseline transformers")
     from pagoda.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model)
@@ -259,6 +270,8 @@ def run(args: argparse.Namespace) -> int:
         results.append(_run_pagoda(args, model, prompts, output_len))
         if args.baseline == "llama.cpp":
             results.append(_run_llama_cpp(model, prompts, output_len, torch.get_num_threads()))
+        elif args.baseline == "transformers" and args.baseline_isa == "avx2":
+            results.append(_run_transformers_capped(model, args.dtype, prompts, output_len))
         elif args.baseline == "transformers":
             results.append(_run_transformers(model, args.dtype, prompts, output_len))
     roofline = None
@@ -481,6 +494,59 @@ def _run_transformers(model: str, dtype: str, prompts: list[list[int]], output_l
         elapsed = time.perf_counter() - start
     out_tokens = (out.shape[1] - width) * len(prompts)
     return RunResult("transformers", elapsed, out_tokens, sum(map(len, prompts)), [])
+
+
+# torch's own kernels and oneDNN's (its GEMMs) capped at AVX2: read once, when torch loads.
+_AVX2_CAP = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def _run_transformers_capped(model: str, dtype: str, prompts: list[list[int]], output_len: int) -> RunResult:
+    """`_run_transformers` in a fresh interpreter whose torch is capped at AVX2 (`_AVX2_CAP`),
+    with this process's thread count."""
+    import subprocess
+
+    import torch
+
+    job = {"model": model, "dtype": dtype, "prompts": prompts, "output_len": output_len}
+    job["threads"] = torch.get_num_threads()
+    print(
+        "baseline: transformers in a subprocess under " + " ".join(f"{k}={v}" for k, v in _AVX2_CAP.items())
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", "from pagoda.bench.offline import _baseline_child; _baseline_child()"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env={**os.environ, **_AVX2_CAP},
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"pagoda bench offline: the capped transformers baseline failed:\n{proc.stderr[-2000:]}"
+        )
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"baseline: torch's CPU capability in the subprocess: {row['cpu_capability']}")
+    return RunResult("transformers (avx2)", row["seconds"], row["output_tokens"], row["input_tokens"], [])
+
+
+def _baseline_child() -> None:
+    """The capped baseline's subprocess: a job as JSON on stdin, its RunResult as JSON on stdout."""
+    import torch
+
+    job = json.loads(sys.stdin.read())
+    torch.set_num_threads(job["threads"])
+    r = _run_transformers(job["model"], job["dtype"], job["prompts"], job["output_len"])
+    capability = torch.backends.cpu.get_cpu_capability()
+    print(
+        json.dumps(
+            {
+                "seconds": r.seconds,
+                "output_tokens": r.output_tokens,
+                "input_tokens": r.input_tokens,
+                "cpu_capability": capability,
+            }
+        )
+    )
 
 
 def _run_cache_workload(args, model, tokenizer, n, input_len, output_len, caching: bool) -> RunResult:

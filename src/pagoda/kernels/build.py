@@ -304,6 +304,13 @@ def ops():
     return namespace
 
 
+def active():
+    """The `torch.ops` namespace of the variant in use (after choosing it), or None on plain
+    PyTorch: a cheap key for callers that bind ops once per variant."""
+    status()
+    return _active
+
+
 _op_cache: dict[tuple[object, str], object] = {}  # (loaded namespace, op name) -> OpOverload
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.distributed import SINGLE, ParallelGroup
+from pagoda.kernels import build
 from pagoda.layers.attention import Attention
 from pagoda.layers.embedding import LMHead, VocabEmbedding
 from pagoda.layers.linear import GateUpLinear, ShardId
@@ -24,6 +25,7 @@ from pagoda.layers.parallel import QKVParallelLinear, RowParallelLinear
 from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
 from pagoda.models.base import CausalLM
 from pagoda.models.config import ModelArchConfig
+from pagoda.models.decode_plan import DecodePlan
 
 
 class DecoderAttention(nn.Module):
@@ -161,15 +163,40 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, index, attn_backend, dtype, tp) for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # The decode step without module calls (see decode_plan), built on the first decode-only
+        # step under each kernel variant; None where the layers do not take the kernels.
+        self._decode_plan: DecodePlan | None = None
+        self._plan_variant: object = None
+
+    def reset_decode_plan(self) -> None:
+        """Forget the plan (the layers' weights changed)."""
+        self._decode_plan, self._plan_variant = None, None
+
+    def _plan_for(self, hidden: torch.Tensor, md: AttentionMetadata) -> DecodePlan | None:
+        if not md.num_decodes or md.num_decodes != md.num_seqs:
+            return None
+        if hidden.dtype is not torch.bfloat16 or not hidden.is_cpu:
+            return None
+        variant = build.active()
+        if variant is None:
+            return None
+        if variant is not self._plan_variant:
+            self._decode_plan, self._plan_variant = DecodePlan.build(self), variant
+        plan = self._decode_plan
+        return plan if plan is not None and plan.kv_ready() else None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         cos, sin = self.rotary_emb(positions)
         hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, attn_metadata)
+        plan = self._plan_for(hidden, attn_metadata)
+        if plan is not None:
+            hidden, residual = plan.run(hidden, cos, sin, attn_metadata)
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, cos, sin, attn_metadata)
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
 
@@ -202,6 +229,7 @@ class DecoderForCausalLM(CausalLM):
 
     def process_weights_after_loading(self) -> None:
         super().process_weights_after_loading()
+        self.model.reset_decode_plan()
         if self.config.tie_word_embeddings and self.lm_head.packed is not None:
             self.model.embed_tokens.use_packed(self.lm_head.packed)
 
