@@ -15,7 +15,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 2, 8] * 9, [11]]
 
 
 def _decoder(llm: LLM) -> DecoderModel:
-    return llm.engine.core.runner.model.model
+    return llm.engine.core.executor.worker.model.model
 
 
 def _generate(path: str, dtype: str, use_plan: bool, monkeypatch: pytest.MonkeyPatch):
