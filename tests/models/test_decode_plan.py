@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import TINY_DIMS
 from pagoda.entrypoints.llm import LLM
 from pagoda.models.decoder import DecoderModel
+from pagoda.models.synthetic import build_random_model
 from pagoda.sampling_params import SamplingParams
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 2, 8] * 9, [11]]
@@ -50,8 +52,6 @@ def test_plan_equals_the_module_path(variant: str, arch: str, tiny_model_dirs, m
 
 
 def test_plan_honours_sliding_windows(variant: str, tmp_path, monkeypatch) -> None:
-    from conftest import TINY_DIMS
-    from pagoda.models.synthetic import build_random_model
 
     path = build_random_model(
         tmp_path / "m",
