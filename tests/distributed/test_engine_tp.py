@@ -139,3 +139,46 @@ def test_a_headless_node_is_not_an_engine(tiny_model_dirs):
     parallel = EngineArgs(model=tiny_model_dirs["Qwen2ForCausalLM"], **args).parallel_config()
     assert parallel == ParallelConfig(2, 2, 1, "127.0.0.1", 29511, None, True, 60.0)
     assert parallel.local_size == 1 and parallel.global_rank(0) == 1
+
+
+def test_structured_output_jump_forward_seeds_and_drafts_under_tensor_parallelism(tiny_model_dirs):
+    """Sampling, grammar masks, jump-forward, seeds and n-gram drafts stay on rank 0: size 2 gives
+    exactly size 1's outputs, and the grammar-constrained ones validate."""
+    import json
+
+    import jsonschema
+
+    from pagoda import StructuredOutputs
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    }
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    params = [
+        SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputs(json=schema)),
+        SamplingParams(
+            temperature=1.0, seed=7, max_tokens=60, structured_outputs=StructuredOutputs(json=schema)
+        ),
+        SamplingParams(temperature=0, max_tokens=24),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=24, n=2),
+    ]
+    prompts = ["record:", "another record:", [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8, 9]]
+    path = tiny_model_dirs["LlamaForCausalLM"]
+    kwargs = dict(dtype="float32", num_kv_blocks=256, block_size=8, speculative_config=spec)
+
+    def run(llm: LLM) -> tuple[list[list[list[int]]], int, int]:
+        outs = llm.generate(prompts, params)
+        stats = llm.engine.stats()
+        assert_clean(llm)
+        for out in outs[:2]:
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+        tokens = [[c.token_ids for c in o.outputs] for o in outs]
+        return tokens, stats.jump_forward_drafts, stats.spec_num_draft_tokens
+
+    single = run(LLM(path, **kwargs))
+    assert single[1] > 0 and single[2] > 0  # jump-forward and n-gram drafts both ran
+    with LLM(path, tensor_parallel_size=2, **kwargs) as llm:
+        assert run(llm) == single
