@@ -106,7 +106,7 @@ class Scheduler:
                 continue
             break
 
-        if not out.preempted:
+        if not out.preempted and self.waiting:
             computing: set[_BlockKey] = set()
             for s in out.scheduled:
                 self._note_computing(computing, s.request, s.num_new_tokens)
