@@ -48,7 +48,7 @@ def _bind(packed) -> Linear | None:
     if isinstance(packed, cpu_gemm.PackedWeight):
         return cpu_gemm.bound(packed)
     if isinstance(packed, QuantLinear):
-        return packed
+        return packed.bound()
     return None
 
 

@@ -90,15 +90,16 @@ void micro(const TileArgs& w, const Acts& x, int64_t row0, float* out, int64_t l
       }
       const uint8_t* vb[NT];
       for (int t = 0; t < NT; ++t) vb[t] = w.values + t * w.value_stride + b * lay.block_value_bytes;
-      if constexpr (MR <= kPrefetchMaxRows) {
-        // Few rows are bound by memory: fetch the values kPrefetchBytes ahead into L1, in the
-        // order the driver reads them: past a tile's end, the same place of the tile NT further
-        // on (the next call's; tiles lie one after another), so each stream stays ahead across calls.
+      {
+        // Fetch the values kPrefetchBytes ahead into L2, in the order the driver reads them: past
+        // a tile's end, the same place of the tile NT further on (the next call's; tiles lie one
+        // after another), so each stream stays ahead across calls. (With several row blocks per
+        // tile pair only the first reads from memory; the others' prefetches hit the cache.)
         const int64_t skip = b * lay.block_value_bytes + kPrefetchBytes < w.value_stride ? 0 : (NT - 1) * w.value_stride;
         for (int t = 0; t < NT; ++t) {
           const uint8_t* p = vb[t] + skip + kPrefetchBytes;
           for (int l = 0; l < lay.block_value_bytes; l += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T1);
         }
       }
       [&]<int... Gs>(std::integer_sequence<int, Gs...>) {
