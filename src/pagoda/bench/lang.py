@@ -86,6 +86,15 @@ def _positive(text: str) -> int:
     return value
 
 
+def _choices(text: str) -> str:
+    parts = text.split("|")
+    if len(parts) < 2 or not all(parts) or len(set(parts)) != len(parts):
+        raise argparse.ArgumentTypeError(
+            f"need 2 or more distinct non-empty choices separated by '|', got {text!r}"
+        )
+    return text
+
+
 @dataclass(frozen=True)
 class LangBenchArgs:
     """The flags of `pagoda bench lang`."""
@@ -98,6 +107,11 @@ class LangBenchArgs:
     prompt_tokens: int = arg(1500, type=_positive, help="tokens of the shared k-shot prompt")
     question_tokens: int = arg(32, type=_positive, help="tokens of each question")
     answer_tokens: int = arg(4, type=_positive, help="few-shot: tokens of each answer")
+    choices: str = arg(
+        "|".join(CHOICES),
+        type=_choices,
+        help="select: the answers to choose from, separated by '|' (a leading space is part of one)",
+    )
     num_trees: int = arg(4, type=_positive, help="tree-of-thought problems")
     width: int = arg(4, type=_positive, help="tree-of-thought: branches per fork")
     depth: int = arg(2, type=_positive, help="tree-of-thought: levels of forks")
@@ -202,13 +216,15 @@ def _words(rng: random.Random, backend, tokens: int) -> str:
     return text.strip()
 
 
-def few_shot_prompt(rng: random.Random, backend, num_shots: int, prompt_tokens: int) -> str:
+def few_shot_prompt(
+    rng: random.Random, backend, num_shots: int, prompt_tokens: int, choices: list[str] = CHOICES
+) -> str:
     """A header and `num_shots` question/answer examples, about `prompt_tokens` tokens in all."""
     header = "Answer each question with yes, no, maybe or unknown.\n\n"
     frame = len(backend.tokenize("Question: \nAnswer: unknown\n\n"))
     per_shot = (prompt_tokens - len(backend.tokenize(header))) // num_shots - frame
     shots = [
-        f"Question: {_words(rng, backend, max(per_shot, 4))}\nAnswer:{rng.choice(CHOICES)}\n\n"
+        f"Question: {_words(rng, backend, max(per_shot, 4))}\nAnswer:{rng.choice(choices)}\n\n"
         for _ in range(num_shots)
     ]
     return header + "".join(shots)
@@ -231,11 +247,15 @@ def run(args: argparse.Namespace) -> int:
     results: list[VariantResult] = []
     notes: dict[str, Any] = {}
     questions = [_words(rng, backend, args.question_tokens) for _ in range(args.num_questions)]
-    prompt = few_shot_prompt(rng, backend, args.num_shots, args.prompt_tokens)
+    choices = args.choices.split("|")
+    prompt = few_shot_prompt(rng, backend, args.num_shots, args.prompt_tokens, choices)
     print(
         f"server: {args.base_url} ({server.model})\nshared few-shot prompt: {len(backend.tokenize(prompt))} "
         f"tokens, {args.num_questions} questions of {args.question_tokens} tokens"
     )
+    if "select" in workloads:
+        sizes = [len(backend.tokenize("\nAnswer:" + c)) - len(backend.tokenize("\nAnswer:")) for c in choices]
+        print(f"select choices: {choices} ({', '.join(map(str, sizes))} tokens)")
 
     @pl.function
     def answer(s, question):
@@ -244,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
 
     @pl.function
     def choose(s, question):
-        s += prompt + "Question: " + question + "\nAnswer:" + pl.select("answer", choices=CHOICES)
+        s += prompt + "Question: " + question + "\nAnswer:" + pl.select("answer", choices=choices)
 
     @pl.function
     def first_token(s, question):
@@ -269,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     select_items = []
     for q in questions:
         head = prompt + "Question: " + q + "\nAnswer:"
-        texts = [head + c for c in CHOICES]
+        texts = [head + c for c in choices]
         select_items.append((len(backend.tokenize(head)), texts, [backend.tokenize(t) for t in texts]))
 
     def requests_select(from_start: bool) -> Callable[[], list]:
@@ -288,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
             base, texts, ids = item
             with ThreadPoolExecutor(len(texts)) as pool:
                 scores = list(pool.map(score, texts, ids, [base] * len(texts)))
-            return CHOICES[max(range(len(CHOICES)), key=lambda i: (scores[i], -i))]
+            return choices[max(range(len(choices)), key=lambda i: (scores[i], -i))]
 
         def run_all() -> list:
             with ThreadPoolExecutor(len(select_items)) as pool:
@@ -317,8 +337,8 @@ def run(args: argparse.Namespace) -> int:
 
         def one(q: str) -> str:
             head = prompt + "Question: " + q + "\nAnswer:"
-            scores = [score(head, c) for c in CHOICES]
-            return CHOICES[max(range(len(CHOICES)), key=lambda i: (scores[i], -i))]
+            scores = [score(head, c) for c in choices]
+            return choices[max(range(len(choices)), key=lambda i: (scores[i], -i))]
 
         with ThreadPoolExecutor(len(questions)) as pool:
             return list(pool.map(one, questions))
@@ -478,7 +498,9 @@ def _report(results: list[VariantResult], notes: dict, args: argparse.Namespace)
     if "lang" in select and "lang gen 1" in select:
         ratio = select["lang"].median_s / select["lang gen 1"].median_s
         notes["select_over_gen_of_one_token"] = ratio
-        print(f"select on {len(CHOICES)} choices costs {ratio:.2f}x a gen of one token (same questions)")
+        print(
+            f"select on {len(args.choices.split('|'))} choices costs {ratio:.2f}x a gen of one token (same questions)"
+        )
     if args.result_file:
         with open(args.result_file, "w", encoding="utf-8") as f:
             json.dump({"config": vars(args) | {"func": None}, "results": rows, "notes": notes}, f, indent=2)
