@@ -22,6 +22,18 @@ class DraftSpan:
     first_row: int
     draft_token_ids: tuple[int, ...]
     generator: torch.Generator | None = None  # the request's own (seeded), rewound after verifying
+    # float32 [len(draft_token_ids), vocab]: row i is the normalised distribution q_i the draft model
+    # sampled draft token i from. None: a deterministic proposer (n-gram, prediction, grammar), whose
+    # drafts are verified by an exact-match check (seeded rows: the generator is rewound so that the
+    # stream equals sampling one token per step). Given, a random row (temperature > 0) verifies by
+    # speculative (rejection) sampling: accept draft i with probability min(1, p_i(d_i) / q_i(d_i)),
+    # where p_i is the row's final distribution (after bias, penalties, bans, grammar mask,
+    # temperature, top-k, top-p, min-p); at the first rejection the row's token is drawn from the
+    # normalised residual max(0, p_i - q_i) (p_i where that is all zero); with every draft accepted
+    # the bonus row draws from p_k. The emitted tokens then follow the target distribution exactly
+    # (Leviathan et al. 2023; Chen et al. 2023); a seeded request stays deterministic for its seed.
+    # Greedy rows keep the argmax check, whatever q.
+    draft_probs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
