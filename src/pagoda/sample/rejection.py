@@ -42,15 +42,16 @@ def prepare_residual(probs: torch.Tensor, rows: RejectionRows) -> torch.Tensor:
     # A fully masked row has total 0: its p is all zeros (every draft is rejected, as for any
     # token the target cannot emit), never NaN.
     total = weights.sum(dim=-1, keepdim=True).clamp_(min=torch.finfo(weights.dtype).tiny)
-    p = weights.div_(total)
     index = rows.draft_token_ids.unsqueeze(1)
-    p_draft = p.gather(1, index).squeeze(1)
+    p_draft = (weights.gather(1, index) / total).squeeze(1)
     q_draft = rows.draft_probs.gather(1, index).squeeze(1)
     # u < p / q, without the division; q = 0 (the draft claims it could not have sampled d) rejects.
     accepted = (q_draft > 0) & (rows.accept_uniforms * q_draft < p_draft)
-    residual = torch.sub(p, rows.draft_probs).clamp_(min=0.0)
-    empty = residual.sum(dim=-1, keepdim=True) <= 0
-    probs.index_copy_(0, rows.positions, torch.where(empty, p, residual))
+    residual = weights.div_(total).sub_(rows.draft_probs).clamp_(min=0.0)  # in place: one pass each
+    empty = residual.sum(dim=-1) <= 0  # p <= q everywhere, so p = q: draw from p
+    if bool(empty.any()):
+        residual[empty] = probs[rows.positions[empty]]
+    probs.index_copy_(0, rows.positions, residual)
     return accepted
 
 

@@ -177,7 +177,7 @@ class Sampler:
             draft_token_ids=torch.tensor(
                 [t for d in spans for t in d.draft_token_ids], dtype=torch.int64, device=probs.device
             ),
-            draft_probs=torch.cat([d.draft_probs for d in spans if d.draft_probs is not None]),
+            draft_probs=_concat([d.draft_probs for d in spans if d.draft_probs is not None]),
             accept_uniforms=self._accept_uniforms(spans, probs.device),
             span_lengths=tuple(len(d.draft_token_ids) for d in spans),
         )
@@ -265,6 +265,10 @@ def _rejection_spans(
             raise ValueError(f"draft span {i}: its rows mix greedy and random sampling")
         rejecting[i] = position
     return rejecting
+
+
+def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _num_accepted(tokens: list[int], span: DraftSpan) -> int:
