@@ -185,6 +185,43 @@ def test_emitted_tokens_follow_the_target_distribution(k: int) -> None:
     assert set(accepted) == set(range(k + 1))
 
 
+def step_outcome_probs(k: int, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The exact law of one verification step from START: cell (n, t_0..t_n), laid out n = 0 first,
+    tokens in base V, for n accepted drafts t_0..t_{n-1} and the row-n token t_n. Accepting t_i
+    has probability min(p, q)(t_i) (q proposes it, min(1, p / q) keeps it); the rejected row's
+    token has max(0, p - q), the bonus row's p."""
+    accept = torch.minimum(p, q).double()
+    residual = (p - q).clamp(min=0).double()
+    cells = []
+    prefix = torch.ones(1, dtype=torch.float64)  # the accepted prefixes so far, their last tokens:
+    last = torch.tensor([START])
+    for n in range(k + 1):
+        final = residual if n < k else p.double()
+        cells.append((prefix.unsqueeze(1) * final[last]).flatten())
+        prefix = (prefix.unsqueeze(1) * accept[last]).flatten()
+        last = torch.arange(VOCAB).repeat(last.numel())
+    return torch.cat(cells)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_each_accepted_length_has_its_exact_probability(k: int) -> None:
+    """Finer than the emitted tokens' law: the joint law of how many drafts a step accepts and
+    which tokens it emits (the rejected row's residual, the bonus row's p) is the exact one."""
+    p = torch.softmax(TARGET_LOGITS, dim=-1)
+    law = step_outcome_probs(k, p, DRAFT_PROBS)
+    torch.testing.assert_close(law.sum(), torch.tensor(1.0, dtype=torch.float64))
+    seqs, accepted = generate(k, k + 1, SamplingParams(temperature=1.0), seed=20 + k)
+    offsets = [sum(VOCAB ** (j + 1) for j in range(n)) for n in range(k + 1)]
+    cells = []
+    for tokens, n in zip(seqs.tolist(), accepted[:TRIALS], strict=True):
+        cell = 0
+        for t in tokens[: n + 1]:
+            cell = cell * VOCAB + t
+        cells.append(offsets[n] + cell)
+    counts = torch.bincount(torch.tensor(cells), minlength=law.numel())
+    assert chi_square_pvalue(counts, law) > ALPHA
+
+
 def test_acceptance_rate_is_one_minus_the_total_variation_distance() -> None:
     """The first draft is accepted with probability sum_x min(p(x), q(x)) (Leviathan et al.)."""
     p = torch.softmax(TARGET_LOGITS, dim=-1)[START]
