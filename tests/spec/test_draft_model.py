@@ -184,7 +184,8 @@ def test_draft_accounting_every_step_and_aborts(tiny_model_dirs, small_drafts):
 
 def test_random_requests_draw_drafts_from_q(tiny_model_dirs):
     """A request at temperature > 0 gets drafts with q (the distribution each came from) on the
-    request while they await verification; a seeded run repeats itself."""
+    request while they await verification, which the sampler verifies by rejection sampling; a
+    seeded run repeats itself."""
     path = tiny_model_dirs["LlamaForCausalLM"]
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=i, max_tokens=30) for i in range(3)]
     llm = LLM(path, dtype="float32", num_kv_blocks=512, speculative_config=_draft_config(path))
@@ -204,6 +205,10 @@ def test_random_requests_draw_drafts_from_q(tiny_model_dirs):
                 assert (q > 0).sum(dim=-1).max() <= 20  # top-k applied
                 seen += 1
     assert seen > 0
+    # The target as its own draft: q equals the target's p, so rejection sampling (accept with
+    # min(1, p/q)) keeps nearly every draft; a q without the request's temperature or filters would not.
+    stats = engine.stats()
+    assert stats.spec_num_accepted_tokens >= 0.95 * stats.spec_num_draft_tokens > 0
     first, _ = _run(path, _draft_config(path), _prompts(3), params)
     again, _ = _run(path, _draft_config(path), _prompts(3), params)
     assert first == again

@@ -72,7 +72,9 @@ class ModelRunner:
             end = ends[req.request_id]
             drafts = req.token_ids[req.num_tokens - k :] if k else []
             if k:
-                spans.append(DraftSpan(len(rows), tuple(drafts), req.generator))
+                # q of a draft model's random drafts: verified by rejection sampling.
+                q = req.draft_probs
+                spans.append(DraftSpan(len(rows), tuple(drafts), req.generator, q))
             hidden_rows.extend(range(end - k - 1, end))
             history = req.output_token_ids  # verified tokens only
             for i in range(k + 1):
