@@ -281,3 +281,40 @@ def test_bad_configs(tiny_llama_dir, config, message):
     with pytest.raises(ValueError, match="speculative_config") as info:
         EngineArgs(model=tiny_llama_dir, speculative_config=config)
     assert message in str(info.value)
+
+
+def test_bench_drafts(tiny_model_dirs, tmp_path):
+    """bench/drafts.py: a truncated copy with all the target's layers is the target (every draft
+    accepted); fewer layers and a random draft load and serve."""
+    from pagoda.bench.drafts import draft_model
+
+    target = shutil.copytree(tiny_model_dirs["Qwen2ForCausalLM"], tmp_path / "target")
+    full = draft_model(str(target), TINY_DIMS["num_layers"], "truncated")
+    _, llm = _on_off(str(target), full, _prompts(2), GREEDY)
+    stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+    for weights in ("truncated", "random"):
+        draft = draft_model(str(target), 1, weights)
+        assert draft == draft_model(str(target), 1, weights)  # written once
+        assert (
+            json.loads((tmp_path / f"target-draft1-{weights}" / "config.json").read_text())[
+                "num_hidden_layers"
+            ]
+            == 1
+        )
+        _on_off(str(target), draft, _prompts(2), GREEDY)
+    with pytest.raises(ValueError, match=r"--draft-layers must be in 1\.\.2"):
+        draft_model(str(target), 3, "truncated")
+
+
+@pytest.mark.slow
+def test_bench_offline_spec_workload_with_a_draft_model(tiny_model_dirs, tmp_path, capsys):
+    from pagoda.entrypoints.cli import main
+
+    target = shutil.copytree(tiny_model_dirs["LlamaForCausalLM"], tmp_path / "target")
+    argv = ["bench", "offline", "--model", str(target), "--workload", "spec", "--dtype", "float32"]
+    code = main([*argv, "--output-len", "24", "--input-len", "12", "--draft-layers", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "outputs identical: True" in out and '"method": "draft_model"' in out
+    assert "acceptance rate:" in out and "draft model forward passes:" in out
