@@ -318,3 +318,24 @@ def test_bench_offline_spec_workload_with_a_draft_model(tiny_model_dirs, tmp_pat
     assert code == 0
     assert "outputs identical: True" in out and '"method": "draft_model"' in out
     assert "acceptance rate:" in out and "draft model forward passes:" in out
+
+
+def test_serve_flag_and_the_draft_pool(tiny_llama_dir, small_drafts):
+    """`pagoda serve --speculative-config` takes the draft model; its pool holds as many tokens as
+    the target's (the same blocks), in the target's dtype."""
+    from pagoda.entrypoints.cli import build_parser
+    from pagoda.entrypoints.serve_cli import _engine_args
+
+    text = json.dumps(
+        {"method": "draft_model", "model": small_drafts["LlamaForCausalLM"], "num_speculative_tokens": 3}
+    )
+    args = build_parser().parse_args(["serve", tiny_llama_dir, "--speculative-config", text])
+    engine_args = _engine_args(args, tiny_llama_dir)
+    llm = LLM(**{**vars(engine_args), "dtype": "float32", "num_kv_blocks": 40})
+    config = llm.engine.core.config
+    assert config.speculative.model == small_drafts["LlamaForCausalLM"]
+    assert config.draft_model.dtype == config.model.dtype and config.draft_model.device == config.model.device
+    assert (config.draft_cache.num_blocks, config.draft_cache.block_size) == (40, config.cache.block_size)
+    draft = llm.engine.core.drafter.draft_model
+    assert draft.worker.kv_caches[0].shape == llm.engine.core.executor.worker.kv_caches[0].shape
+    assert len(draft.worker.kv_caches) == 1  # the draft's layers

@@ -257,6 +257,8 @@ class EngineCore:
             )
 
     def reset_prefix_cache(self) -> int:
+        """Drop the unused cached prefixes (the draft model's too); returns the target's count."""
+        self.drafter.reset_prefix_cache()
         return self.kv.reset_prefix_cache()
 
     def shutdown(self) -> None:

@@ -22,6 +22,7 @@ verified tokens enter the draft's prefix cache.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -33,6 +34,8 @@ from pagoda.request import Request
 from pagoda.sample.filters import apply_min_p, apply_top_k_top_p
 from pagoda.worker.batch import ForwardBatch
 from pagoda.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 _TOP_P_CANDIDATES = 1024
 
@@ -88,6 +91,14 @@ class DraftModelProposer:
         self.max_tokens = max_tokens  # per forward pass
         self.worker = Worker(model, cache)
         self.vocab_size = self.worker.vocab_size
+        pool = sum(c.numel() * c.element_size() for c in self.worker.kv_caches)
+        logger.info(
+            "draft model %s: KV pool of %d blocks of %d tokens (%.1f MiB, beside the target's)",
+            model.path,
+            cache.num_blocks,
+            cache.block_size,
+            pool / 2**20,
+        )
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, enable_prefix_caching=True)
         self.generator = torch.Generator(device=model.device).manual_seed(model.seed)
         self._seqs: dict[str, _DraftSeq] = {}

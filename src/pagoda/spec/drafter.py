@@ -183,6 +183,10 @@ class Drafter:
         if self.draft_model is not None:
             self.draft_model.release(request_ids)
 
+    def reset_prefix_cache(self) -> None:
+        if self.draft_model is not None:
+            self.draft_model.kv.reset_prefix_cache()
+
     def check(self, running: Iterable[str]) -> None:
         if self.draft_model is not None:
             self.draft_model.check(running)
