@@ -339,3 +339,22 @@ def test_serve_flag_and_the_draft_pool(tiny_llama_dir, small_drafts):
     draft = llm.engine.core.drafter.draft_model
     assert draft.worker.kv_caches[0].shape == llm.engine.core.executor.worker.kv_caches[0].shape
     assert len(draft.worker.kv_caches) == 1  # the draft's layers
+
+
+def test_a_full_draft_pool_drafts_less_and_stays_exact(tiny_model_dirs):
+    """When the draft's pool cannot hold a request's tokens, that request gets no draft-model
+    drafts for the step (its draft KV is released), and outputs stay the same."""
+    from pagoda.cache.kv_manager import KVCacheManager
+
+    path = tiny_model_dirs["LlamaForCausalLM"]
+    off, _ = _run(path, None, _prompts(4), GREEDY, block_size=4)
+    llm = LLM(path, dtype="float32", num_kv_blocks=512, block_size=4, speculative_config=_draft_config(path))
+    draft = llm.engine.core.drafter.draft_model
+    draft.kv = KVCacheManager(12, 4)  # room for 48 draft tokens: not all four requests at once
+    outs = llm.generate(_prompts(4), GREEDY, use_tqdm=False)
+    assert [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs] == off
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_num_draft_tokens == stats.spec_num_accepted_tokens
+    assert draft.num_pool_full > 0
+    assert draft.num_records == 0 and draft.kv.usage == 0.0
+    draft.check([])

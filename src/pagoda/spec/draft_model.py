@@ -103,6 +103,7 @@ class DraftModelProposer:
         self.generator = torch.Generator(device=model.device).manual_seed(model.seed)
         self._seqs: dict[str, _DraftSeq] = {}
         self.num_forward_passes = 0
+        self.num_pool_full = 0  # times a request got fewer drafts because the draft pool was full
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -131,6 +132,7 @@ class DraftModelProposer:
             seq = _DraftSeq(req.request_id, tokens, req.cache_salt, verified)
             alloc = self.kv.allocate_first(seq, 0)  # the draft's prefix cache first
             if alloc is None:
+                self.num_pool_full += 1
                 return None
             seq.num_computed_tokens = alloc.num_computed
             self._seqs[req.request_id] = seq
@@ -230,6 +232,7 @@ class DraftModelProposer:
         return token
 
     def _give_up(self, r: _Run) -> None:
+        self.num_pool_full += 1
         r.item.want = len(r.drafts)
         self.release([r.seq.request_id])
 
