@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY_DIMS, TINY_VARIANTS
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineArgs
 from pagoda.models.synthetic import build_random_model
@@ -28,25 +28,30 @@ def _draft_config(path: str, k: int = 4, **extra) -> dict:
     return {"method": "draft_model", "model": path, "num_speculative_tokens": k, "max_running": 64, **extra}
 
 
+def _dims(path: str) -> dict:
+    """The tiny checkpoint's shape, as build_random_model takes it."""
+    c = json.loads((Path(path) / "config.json").read_text())
+    return dict(
+        hidden_size=c["hidden_size"],
+        num_layers=c["num_hidden_layers"],
+        num_heads=c["num_attention_heads"],
+        num_kv_heads=c["num_key_value_heads"],
+        intermediate_size=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+    )
+
+
 @pytest.fixture(scope="module")
 def small_drafts(tmp_path_factory, tiny_model_dirs) -> dict[str, str]:
-    """Architecture → a 1-layer random draft of the same family and vocabulary."""
+    """Architecture → a 1-layer random draft of the same family, shape and tokenizer (written
+    next to a copy of the target by bench/drafts.py)."""
+    from pagoda.bench.drafts import draft_model
+
     root = tmp_path_factory.mktemp("drafts")
-    out = {}
-    for arch in ARCHS:
-        tie, _, extra = TINY_VARIANTS[arch]
-        out[arch] = build_random_model(
-            root / arch,
-            arch,
-            **{**TINY_DIMS, "num_layers": 1},
-            tie_word_embeddings=tie,
-            dtype=torch.float32,
-            seed=11,
-            initializer_range=0.1,
-            max_position_embeddings=512,
-            **extra,
-        )
-    return out
+    return {
+        arch: draft_model(str(shutil.copytree(tiny_model_dirs[arch], root / arch)), 1, "random", seed=11)
+        for arch in ARCHS
+    }
 
 
 def _prompts(n: int = 6) -> list[list[int]]:
@@ -228,7 +233,7 @@ def test_bad_drafts_are_clear_errors(tiny_model_dirs, small_drafts, tmp_path):
     other_vocab = build_random_model(
         tmp_path / "vocab",
         "LlamaForCausalLM",
-        **{**TINY_DIMS, "num_layers": 1, "vocab_size": 400},
+        **{**_dims(path), "num_layers": 1, "vocab_size": 400},
         tie_word_embeddings=True,
         dtype=torch.float32,
     )
@@ -254,7 +259,7 @@ def test_bad_drafts_are_clear_errors(tiny_model_dirs, small_drafts, tmp_path):
     bf16 = build_random_model(
         tmp_path / "bf16",
         "LlamaForCausalLM",
-        **{**TINY_DIMS, "num_layers": 1},
+        **{**_dims(path), "num_layers": 1},
         tie_word_embeddings=True,
         dtype=torch.bfloat16,
     )
@@ -289,7 +294,7 @@ def test_bench_drafts(tiny_model_dirs, tmp_path):
     from pagoda.bench.drafts import draft_model
 
     target = shutil.copytree(tiny_model_dirs["Qwen2ForCausalLM"], tmp_path / "target")
-    full = draft_model(str(target), TINY_DIMS["num_layers"], "truncated")
+    full = draft_model(str(target), _dims(str(target))["num_layers"], "truncated")
     _, llm = _on_off(str(target), full, _prompts(2), GREEDY)
     stats = llm.engine.stats()
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
