@@ -68,15 +68,17 @@ def _dense(q, keys, values, query_lens, scale, window):
     return torch.cat(out)
 
 
-def _paged_case(heads, kv_heads, head_dim, block_size, lens=(1, 9, 33, 70), query_lens=None, seed=0):
-    """Sequences of `lens` tokens in a garbage-filled paged cache, with `query_lens` (default one
-    each) query rows at their last positions; returns (q, cache, tables, seq_lens,
+def _paged_case(
+    heads, kv_heads, head_dim, block_size, lens=(1, 9, 33, 70), query_lens=None, seed=0, dtype=torch.bfloat16
+):
+    """Sequences of `lens` tokens in a garbage-filled paged cache of `dtype`, with `query_lens`
+    (default one each) query rows at their last positions; returns (q, cache, tables, seq_lens,
     query_start_loc, keys, values)."""
     query_lens = query_lens or [1] * len(lens)
     g = torch.Generator().manual_seed(head_dim + block_size + seed)
     num_blocks = sum(-(-n // block_size) for n in lens) + 32
     # Slots no sequence owns hold large garbage: only the block tables may lead to data.
-    cache = (torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g) * 100).bfloat16()
+    cache = (torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g) * 100).to(dtype)
     free = torch.randperm(num_blocks, generator=g).tolist()
     width = -(-max(lens) // block_size)
     tables = torch.zeros(len(lens), width + 2, dtype=torch.int32)
@@ -84,14 +86,14 @@ def _paged_case(heads, kv_heads, head_dim, block_size, lens=(1, 9, 33, 70), quer
     for b, n in enumerate(lens):
         blocks = [free.pop() for _ in range(-(-n // block_size))]
         tables[b, : len(blocks)] = torch.tensor(blocks)
-        k = torch.randn(n, kv_heads, head_dim, generator=g).bfloat16()
-        v = torch.randn(n, kv_heads, head_dim, generator=g).bfloat16()
+        k = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
         for t in range(n):
             cache[0, blocks[t // block_size], t % block_size] = k[t]
             cache[1, blocks[t // block_size], t % block_size] = v[t]
         keys.append(k)
         values.append(v)
-    q = torch.randn(sum(query_lens), heads, head_dim, generator=g).bfloat16()
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=g).to(dtype)
     starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return q, cache, tables, torch.tensor(lens, dtype=torch.int32), starts, keys, values
 
@@ -199,6 +201,45 @@ def test_paged_attention_writes_the_new_keys_and_values(variant: str, block_size
         cpu_ops.paged_attention(q, stale, tables, seq_lens, starts, 0.125, None, (new_k, new_v, slots + 1))
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 8, 64), (14, 2, 64), (6, 1, 80)])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize(("lens", "query_lens"), [((1, 9, 33, 70), None), *MULTI_ROW])
+def test_fp32_paged_attention_matches_dense(
+    variant, heads, kv_heads, head_dim, block_size, window, lens, query_lens
+) -> None:
+    """fp32 models: the same kernel on fp32 tensors, fp32 throughout and nothing rounded."""
+    q, cache, tables, seq_lens, starts, keys, values = _paged_case(
+        heads, kv_heads, head_dim, block_size, lens, query_lens, dtype=torch.float32
+    )
+    scale = head_dim**-0.5
+    out = cpu_ops.paged_attention(q, cache, tables, seq_lens, starts, scale, window)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    expected = _dense(q, keys, values, query_lens or [1] * len(lens), scale, window)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    # Writing the new rows in the same call gives the same result and the same cache.
+    rows = (starts[1:] - starts[:-1]).tolist()
+    slots = _new_slots(tables, seq_lens, starts, block_size)
+    new_k = torch.cat([k[len(k) - r :] for k, r in zip(keys, rows, strict=True)])
+    new_v = torch.cat([v[len(v) - r :] for v, r in zip(values, rows, strict=True)])
+    stale = cache.clone()
+    stale.view(2, -1, kv_heads, head_dim)[:, slots] = 7.0
+    written = cpu_ops.paged_attention(
+        q, stale, tables, seq_lens, starts, scale, window, (new_k, new_v, slots)
+    )
+    assert torch.equal(written, out) and torch.equal(stale, cache)
+
+
+def test_paged_attention_rejects_mixed_dtypes(variant: str) -> None:
+    q, cache, tables, seq_lens, starts, _, _ = _paged_case(4, 4, 16, 16, dtype=torch.float32)
+    assert cpu_ops.attention_applies(q, cache) and not cpu_ops.attention_applies(q, cache.bfloat16())
+    with pytest.raises(RuntimeError, match="float32 CPU tensor"):
+        cpu_ops.paged_attention(q, cache.bfloat16(), tables, seq_lens, starts, 0.25, None)
+    with pytest.raises(RuntimeError, match="bfloat16 CPU tensor"):
+        cpu_ops.paged_attention(q.bfloat16(), cache, tables, seq_lens, starts, 0.25, None)
+    assert not cpu_ops.attention_applies(q.half(), cache.half())
+
+
 def test_paged_attention_rejects_bad_tables(variant: str) -> None:
     cache = torch.zeros(2, 4, 2, 1, 16, dtype=torch.bfloat16)
     q = torch.zeros(1, 2, 16, dtype=torch.bfloat16)
@@ -233,6 +274,7 @@ def test_variants_agree_bit_for_bit() -> None:
         _paged_case(14, 2, 64, 16, lens=(1, 17, 300)),
         _paged_case(6, 1, 272, 5, lens=(40, 3)),
         _paged_case(14, 2, 64, 16, lens=(30, 300), query_lens=(9, 70)),
+        _paged_case(14, 2, 64, 16, lens=(30, 300), query_lens=(9, 70), dtype=torch.float32),
     ]
 
     def run():

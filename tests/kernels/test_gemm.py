@@ -1,6 +1,6 @@
-"""The packed bf16 GEMM on every kernel variant against fp64 references, bit-equality across
-variants where they do the same arithmetic (fp32 multiply-adds; avx512_bf16 multiplies bf16
-inputs with vdpbf16ps), the bf16 rounding store against torch's conversion, and the layers."""
+"""The packed bf16 and fp32 GEMM on every kernel variant against fp64 references, bit-equality
+across variants where they do the same arithmetic (fp32 multiply-adds; avx512_bf16 multiplies
+bf16 inputs with vdpbf16ps), the bf16 rounding store against torch's conversion, and the layers."""
 
 from __future__ import annotations
 
@@ -183,10 +183,97 @@ def test_inputs_of_any_layout_and_fp32(variant: str, k: int) -> None:
     assert cpu_gemm.linear(x[:0], packed).shape == (0, 67)
 
 
+def _make_fp32(m: int, n: int, k: int, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    return x, w, torch.randn(n, generator=g) if bias else None
+
+
+def _fp32_sums(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """What the fp32-weight kernel computes: each output summed over k in order with fused
+    multiply-adds (a product rounded once with its sum), done in fp64 and rounded per step."""
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32)
+    for k in range(x.shape[1]):
+        acc = (acc.double() + x[:, k : k + 1].double() * w[:, k].double()).float()
+    return acc if b is None else acc + b
+
+
+@pytest.mark.parametrize("m", [*range(1, 15), 29, 57, 300])
+@pytest.mark.parametrize(("n", "k"), [(37, 100), (1, 31), (64, 1), (5, 0), (200, 70)])
+def test_fp32_weights_match_reference(variant: str, m: int, n: int, k: int) -> None:
+    x, w, b = _make_fp32(m, n, k, bias=m % 2 == 1, seed=m)
+    packed = cpu_gemm.pack(w, b)
+    assert packed.dtype == torch.float32 and packed.data.shape == (-(-n // 16), k, 16)
+    y = cpu_gemm.linear(x, packed)
+    assert y.dtype == torch.float32  # an fp32 weight gives fp32 out by default
+    ref, abs_sum = _reference(x, w, b)
+    _assert_close(y, ref, abs_sum)
+    if k <= 100 and m <= 14:
+        # Sums over k in order, one fused multiply-add per k: exactly the sequential fp32 sum.
+        assert torch.equal(y, _fp32_sums(x, w, b))
+    assert torch.equal(cpu_gemm.linear(x, packed, out_dtype=torch.bfloat16), y.bfloat16())
+    # bf16 inputs are widened exactly: the same result as their fp32 values.
+    assert torch.equal(cpu_gemm.linear(x.bfloat16(), packed), cpu_gemm.linear(x.bfloat16().float(), packed))
+
+
+@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_weights_swiglu_matches_reference(variant: str, m: int, bias: bool) -> None:
+    intermediate = 37
+    x, w, b = _make_fp32(m, 2 * intermediate, 48, bias=bias, seed=m)
+    packed = cpu_gemm.pack(w, b, swiglu=True)
+    h, abs_sum = _reference(x, w, b)
+    ref = F.silu(h[:, :intermediate]) * h[:, intermediate:]
+    sum_err = abs_sum * 2.0**-20
+    tol = 1.1 * sum_err[:, :intermediate] * h[:, intermediate:].abs()
+    tol += h[:, :intermediate].abs() * sum_err[:, intermediate:]
+    y = cpu_gemm.linear(x, packed)
+    assert y.dtype == torch.float32 and y.shape == (m, intermediate)
+    err = (y.double() - ref).abs()
+    assert torch.all(err <= ref.abs() * 1e-6 + tol + 1e-30), err.max().item()
+
+
+@requires_variants
+@pytest.mark.parametrize(
+    ("m", "n", "k", "swiglu"), [(1, 4099, 300, False), (13, 200, 65, True), (600, 97, 130, False)]
+)
+def test_fp32_weights_agree_bit_for_bit_across_variants_and_threads(
+    m: int, n: int, k: int, swiglu: bool
+) -> None:
+    x, w, b = _make_fp32(m, 2 * n if swiglu else n, k, bias=True, seed=k)
+
+    def run():
+        packed = cpu_gemm.pack(w, b, swiglu=swiglu)
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            single = cpu_gemm.linear(x, packed)
+            torch.set_num_threads(max(2, before))
+            return packed.data, single, cpu_gemm.linear(x, packed)
+        finally:
+            torch.set_num_threads(before)
+
+    results = on_every_variant(run)
+    first = next(iter(results.values()))
+    for name, (data, single, multi) in results.items():
+        assert torch.equal(data, first[0]), f"{name} packs differently"
+        assert torch.equal(single, first[1]) and torch.equal(multi, first[1]), f"{name} differs"
+
+
+def test_fp32_unpack_and_gather_rows_return_the_original(variant: str) -> None:
+    for n, swiglu in ((45, False), (2 * 37, True)):
+        _, w, b = _make_fp32(1, n, 24, bias=True)
+        packed = cpu_gemm.pack(w, b, swiglu=swiglu)
+        assert torch.equal(cpu_gemm.unpack(packed), w)
+        if not swiglu:
+            ids = torch.tensor([[0, 31, 32, n - 1], [16, 15, 1, 2]])
+            assert torch.equal(cpu_gemm.gather_rows(packed, ids), w[ids])
+
+
 def test_bad_input_is_rejected(variant: str) -> None:
     x, w, b = _make(2, 6, 4, bias=True)
-    with pytest.raises(ValueError, match="bfloat16"):
-        cpu_gemm.pack(w.float())
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        cpu_gemm.pack(w.half())
     with pytest.raises(ValueError, match="even number of rows"):
         cpu_gemm.pack(w[:5], swiglu=True)
     with pytest.raises(ValueError, match="bias"):
@@ -228,8 +315,23 @@ def test_layers_pack_bf16_weights_and_keep_their_results(variant: str) -> None:
     assert gate_up(x).shape == (9, 19)
 
 
-def test_float32_layers_stay_unpacked() -> None:
-    layer = Linear(8, 4, False, torch.float32)
+def test_layers_pack_fp32_weights(variant: str) -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 40, generator=g)
+    for layer in (Linear(40, 24, True, torch.float32), GateUpLinear(40, 19, True, torch.float32)):
+        _load(layer, g)
+        before = layer(x).double()
+        weight = layer.weight.detach().clone()
+        layer.process_weights_after_loading()
+        assert layer.packed is not None and layer.packed.dtype == torch.float32 and layer.weight is None
+        assert torch.equal(cpu_gemm.unpack(layer.packed), weight)
+        after = layer(x)
+        assert after.dtype == torch.float32
+        torch.testing.assert_close(after.double(), before, atol=1e-5, rtol=1e-5)
+
+
+def test_float16_layers_stay_unpacked() -> None:
+    layer = Linear(8, 4, False, torch.float16)
     _load(layer, torch.Generator().manual_seed(0))
     layer.process_weights_after_loading()
     assert layer.packed is None and layer.weight is not None

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from conftest import TINY_DIMS, TINY_VARIANTS
-from pagoda.kernels import build
+from pagoda.kernels import build, cpu_gemm
 from pagoda.kernels.precision import FP32_MIN_ROWS, cpu_lacks_full_rate_bf16, upcast_to_fp32
 from pagoda.layers import Linear, PackedLinear
 from pagoda.layers.rotary import RopeConfig
@@ -213,6 +213,21 @@ def test_compute_logits_only_on_given_rows(tiny_model_dirs, paged_harness):
         torch.testing.assert_close(logits, model.compute_logits(hidden)[[8, 12]])
 
 
+def dense_weight(layer) -> torch.Tensor:
+    """A linear layer's `[out, in]` weight, from the kernel's packed layout where it was packed
+    (fp32 and bf16 weights are, where the CPU kernels run)."""
+    return layer.weight if layer.packed is None else cpu_gemm.unpack(layer.packed)
+
+
+def assert_tied(model) -> None:
+    """The embedding and the LM head share one weight: the tensor, or the head's packed copy."""
+    head, embed = model.lm_head, model.model.embed_tokens
+    if head.packed is None:
+        assert head.weight is embed.weight
+    else:
+        assert embed.packed is head.packed and embed.weight is None and head.weight is None
+
+
 def test_sharded_checkpoint_loads_every_weight(tiny_llama_dir):
     folder = Path(tiny_llama_dir)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -224,10 +239,10 @@ def test_sharded_checkpoint_loads_every_weight(tiny_llama_dir):
         checkpoint.update(load_file(folder / shard))
     layer0 = model.model.layers[0]
     q, k, v = (checkpoint[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
-    torch.testing.assert_close(layer0.self_attn.qkv_proj.weight, torch.cat([q, k, v]), rtol=0, atol=0)
+    torch.testing.assert_close(dense_weight(layer0.self_attn.qkv_proj), torch.cat([q, k, v]), rtol=0, atol=0)
     gate, up = (checkpoint[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up"))
-    torch.testing.assert_close(layer0.mlp.gate_up_proj.weight, torch.cat([gate, up]), rtol=0, atol=0)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(dense_weight(layer0.mlp.gate_up_proj), torch.cat([gate, up]), rtol=0, atol=0)
+    assert_tied(model)
 
 
 def test_model_interface(tiny_model_dirs):
@@ -261,8 +276,8 @@ def test_tied_checkpoint_with_explicit_lm_head(tiny_model_dirs, tmp_path):
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     model = load_model(folder, torch.float32)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    torch.testing.assert_close(model.lm_head.weight, tensors["model.embed_tokens.weight"])
+    assert_tied(model)
+    torch.testing.assert_close(dense_weight(model.lm_head), tensors["model.embed_tokens.weight"])
 
 
 def rewrite_checkpoint(src: str, dst: Path, edit) -> Path:

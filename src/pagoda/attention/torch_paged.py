@@ -8,8 +8,9 @@ Decodes run as one batched call: their blocks are gathered through the block tab
 run one sequence at a time; a prompt with no cached context attends to its own fresh K/V with
 `is_causal`, otherwise its context is gathered from the cache and masked bottom-right causally.
 Long bfloat16 prefills on CPUs without AMX run in float32 (see `pagoda.kernels.precision`). In
-bf16 on x86-64 CPUs (AVX2 and up) every sequence with few new tokens (decodes, speculative
-verification steps, short chunks) runs in one native call that reads the blocks in place
+bf16 and fp32 on x86-64 CPUs (AVX2 and up) every sequence with few new tokens (decodes,
+speculative verification steps, short chunks, a prompt's tail after a prefix-cache hit) runs in
+one native call that reads the blocks in place
 (`pagoda.kernels.cpu_ops.paged_attention`); the runner puts those sequences first.
 """
 
@@ -57,7 +58,7 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         md = attn_metadata
         native = md.num_leading_seqs_with_at_most(NATIVE_MAX_QUERY_LEN)
-        if native and cpu_ops.applies(q, k, v, kv_cache):
+        if native and cpu_ops.attention_applies(q, k, v, kv_cache):
             if native == md.num_seqs:
                 # One native call writes the new K/V rows and attends (decodes and verification steps).
                 return cpu_ops.paged_attention(

@@ -1,5 +1,5 @@
-"""bf16-weight linear layers for x86-64 CPUs (AVX2 and up): a kernel compiled on first use, over
-weights repacked once at load time.
+"""bf16- and fp32-weight linear layers for x86-64 CPUs (AVX2 and up): a kernel compiled on first
+use, over weights repacked once at load time.
 
 `csrc/gemm_bf16.cpp` keeps the weight in bf16 (half the bytes of fp32 to stream) in panels of
 16 columns x pairs of k. Where the CPU has AVX512-BF16 it multiplies bf16 rows by it with
@@ -9,6 +9,12 @@ multiplies in fp32, which without AMX beats oneDNN's bf16 GEMM (its bf16 matrix-
 reaches a third of memory bandwidth, and without AVX512-BF16 it converts every operand). Every
 row count runs close to the arithmetic peak, and a single decode stream close to memory
 bandwidth. It can fuse SwiGLU (`silu(gate) * up`) into the gate/up projection.
+
+fp32 weights (fp32 models) are packed the same way, one k per panel row, and multiplied with
+fp32 multiply-adds, each output summed over k in order (equal bits on every variant, tile and
+thread count; a different summation order from oneDNN's, still fp32 throughout). Against torch's
+fp32 `F.linear` the gain is at few rows: the panels keep every sum in a register for the whole
+K loop, and a matrix-vector product (the LM head of one sequence) streams at memory bandwidth.
 
 `pack(weight, bias)` returns a `PackedWeight`; `linear(x, packed)` computes `x @ weight.T + bias`.
 The packed layout is the same for every kernel variant (`pagoda.kernels.build`). Where the
@@ -38,19 +44,22 @@ PANEL = 16  # output columns per panel
 _PLAIN, _SWIGLU = 0, 1
 
 
+WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def applies_to(weight: torch.Tensor) -> bool:
-    """Whether a layer with this weight should be packed: bf16 on the CPU, kernel available."""
-    return (
-        weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2 and available()
-    )
+    """Whether a layer with this weight should be packed: bf16 or fp32 on the CPU, kernel available."""
+    return weight.dtype in WEIGHT_DTYPES and weight.device.type == "cpu" and weight.dim() == 2 and available()
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A `[out_features, in_features]` bf16 weight in the kernel's panel layout.
+    """A `[out_features, in_features]` bf16 or fp32 weight in the kernel's panel layout.
 
-    `data` is `[panels, ceil(in_features / 2), 32]`: element `2 * i + e` of pair row `r` of
-    panel `p` holds column `16 * p + i` at `k = 2 * r + e` (zero past the end). With `swiglu`
+    bf16: `data` is `[panels, ceil(in_features / 2), 32]`: element `2 * i + e` of pair row `r` of
+    panel `p` holds column `16 * p + i` at `k = 2 * r + e` (zero past the end). fp32: `data` is
+    `[panels, in_features, 16]`, element `i` of row `k` of panel `p` holding column
+    `16 * p + i` at k. With `swiglu`
     the source weight was `[gate; up]`, panels `2j` and `2j + 1` hold gate and up columns
     `16j..16j+15`, and `out_features` counts outputs of silu(gate) * up.
     """
@@ -65,14 +74,20 @@ class PackedWeight:
     def epilogue(self) -> int:
         return _SWIGLU if self.swiglu else _PLAIN
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weight's dtype (bf16 or fp32); also the default output dtype of `linear`."""
+        return self.data.dtype
+
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False) -> PackedWeight:
-    """Repack a bf16 `[N, K]` weight (and bias) for `linear`; with `swiglu`, N = 2 * outputs."""
+    """Repack a bf16 or fp32 `[N, K]` weight (and bias) for `linear`; with `swiglu`,
+    N = 2 * outputs."""
     if not available():
-        raise RuntimeError(f"CPU bf16 GEMM kernel unavailable: {status().reason}")
-    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or not weight.is_cpu:
+        raise RuntimeError(f"CPU GEMM kernel unavailable: {status().reason}")
+    if weight.dim() != 2 or weight.dtype not in WEIGHT_DTYPES or not weight.is_cpu:
         raise ValueError(
-            f"weight must be a 2-D bfloat16 CPU tensor, got {weight.dtype} {tuple(weight.shape)}"
+            f"weight must be a 2-D bfloat16 or float32 CPU tensor, got {weight.dtype} {tuple(weight.shape)}"
         )
     n, k = weight.shape
     if swiglu and n % 2:
@@ -86,7 +101,8 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = 
 
 def linear(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` (or silu(gate) * up for a swiglu weight) for x of shape `[..., K]`,
-    bf16 or fp32; the result is bf16, or `out_dtype` (bf16 or fp32). Sums in fp32, rounds once."""
+    bf16 or fp32; the result has the weight's dtype, or `out_dtype` (bf16 or fp32). Sums in fp32,
+    rounds once."""
     # Called ~100 times per decode step: checks stay cheap.
     if out_dtype is not None and out_dtype is not torch.bfloat16 and out_dtype is not torch.float32:
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
@@ -94,7 +110,7 @@ def linear(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None 
         raise ValueError(f"x has {x.shape[-1]} features, the weight expects {packed.in_features}")
     if x.requires_grad and torch.is_grad_enabled():
         raise ValueError("packed linear does not support autograd; call it under torch.no_grad()")
-    out_fp32 = out_dtype is torch.float32
+    out_fp32 = out_dtype is torch.float32 if out_dtype is not None else packed.data.dtype is torch.float32
     op = kernel_op("packed_linear")
     if x.dim() == 2:
         return op(x, packed.data, packed.out_features, packed.bias, packed.epilogue, out_fp32)
@@ -104,12 +120,13 @@ def linear(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None 
 
 
 def bound(packed: PackedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`linear(x, packed)` for 2-D x (bf16 out) as one closure over the current variant's op, for
+    """`linear(x, packed)` for 2-D x (output in the weight's dtype) as one closure over the current variant's op, for
     loops that call the same weight every step (the decoder's decode path). No checks: the
     caller guarantees a 2-D x of `in_features` columns, outside autograd."""
     op = kernel_op("packed_linear")
     data, n, bias, epilogue = packed.data, packed.out_features, packed.bias, packed.epilogue
-    return lambda x: op(x, data, n, bias, epilogue, False)
+    out_fp32 = data.dtype is torch.float32
+    return lambda x: op(x, data, n, bias, epilogue, out_fp32)
 
 
 def _columns(
@@ -117,6 +134,8 @@ def _columns(
 ) -> torch.Tensor:
     """Columns `cols` (of panels `panel_offset + panel_step * j`) of the original weight, `[n, K]`."""
     panel = panel_offset + panel_step * (cols // PANEL)
+    if packed.data.dtype is torch.float32:
+        return packed.data[panel, :, cols % PANEL]  # [n, K]
     pairs = packed.data.view(packed.data.shape[0], packed.data.shape[1], PANEL, 2)
     rows = pairs[panel, :, cols % PANEL]  # [n, K2, 2]
     return rows.reshape(cols.shape[0], -1)[:, : packed.in_features]

@@ -3,7 +3,8 @@ add, rotary embedding in place, and paged attention for a few query rows per seq
 and speculative verification) reading K/V through the block tables.
 
 Each wrapper says with `applies(...)` whether it can take the given tensors (bf16 on the CPU,
-kernels built); callers keep their PyTorch path for everything else.
+kernels built; `attention_applies` for paged attention, which also takes fp32); callers keep
+their PyTorch path for everything else.
 """
 
 from __future__ import annotations
@@ -21,6 +22,18 @@ def applies(*tensors: torch.Tensor) -> bool:
     times per layer and step: kept to plain attribute checks.)"""
     for t in tensors:
         if t.dtype is not _BF16 or not t.is_cpu:
+            return False
+    return available()
+
+
+def attention_applies(q: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether `paged_attention` takes these tensors: all bf16, or all fp32 (fp32 models), on the
+    CPU, kernels built."""
+    dtype = q.dtype
+    if (dtype is not _BF16 and dtype is not torch.float32) or not q.is_cpu:
+        return False
+    for t in tensors:
+        if t.dtype is not dtype or not t.is_cpu:
             return False
     return available()
 
@@ -60,7 +73,8 @@ def paged_attention(
     sliding_window: int | None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Attention of a few new query rows per sequence, `q: [T, H, D]` → `[T, H, D]`: sequence
+    """Attention of a few new query rows per sequence, `q: [T, H, D]` → `[T, H, D]` (bf16 or
+    fp32, the cache and new K/V of the same dtype): sequence
     b's rows are `query_start_loc[b] : query_start_loc[b + 1]` (int32 `[B + 1]`), its last
     positions; each attends causally to its sequence's cached positions up to its own (the last
     `sliding_window` only, if set). One row per sequence is a decode; k + 1 rows verify k drafts.

@@ -52,7 +52,8 @@ def weight_report(model: nn.Module) -> WeightReport:
             added = count(packed, size)
             if added:
                 rows = packed.out_features * (2 if packed.swiglu else 1)
-                values["BF16"] = values.get("BF16", 0) + rows * packed.in_features
+                name = _DTYPE_NAMES.get(packed.dtype, str(packed.dtype))
+                values[name] = values.get(name, 0) + rows * packed.in_features
             nbytes += added
         elif quantized is not None:
             added = count(quantized, quantized.nbytes)

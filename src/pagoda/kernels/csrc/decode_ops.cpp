@@ -7,7 +7,8 @@
 // Numerics: RMSNorm rounds exactly where transformers' bf16 RMSNorm rounds (the sum x + residual,
 // the normalised value, the product with the weight) and keeps the statistics in fp32, so it
 // differs from torch only in the order of the fp32 sum of squares. Attention computes scores,
-// softmax and the weighted sum of V in fp32 and rounds the output once.
+// softmax and the weighted sum of V in fp32 and rounds the output once. Attention also takes
+// fp32 tensors (fp32 models): the same arithmetic, with nothing rounded.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -129,23 +131,48 @@ constexpr int64_t kPrefetchAhead = 16;  // positions ahead whose K/V rows are pr
 // positions once for all its rows. (A verification step of k drafts is k + 1 rows: one tile.)
 constexpr int64_t kRowTile = 64;
 
-inline void prefetch_row(const uint16_t* row, int64_t D) {
-  for (int64_t i = 0; i < D; i += 32) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+// Attention's tensors hold E: bf16 bits (uint16_t) or fp32; their rows load as fp32 vectors.
+template <typename E>
+E* elems(const at::Tensor& t) {
+  if constexpr (std::is_same_v<E, float>) {
+    return t.data_ptr<float>();
+  } else {
+    return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>());
+  }
+}
+template <typename E>
+void check_elems_cpu(const at::Tensor& t, const char* name) {
+  if constexpr (std::is_same_v<E, float>) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name, " must be a float32 CPU tensor (as q)");
+  } else {
+    check_bf16_cpu(t, name);
+  }
+}
+inline VecF load_elems(const uint16_t* p, const Mask& m) { return load_bf16(p, m); }
+inline VecF load_elems(const float* p, const Mask& m) { return load(p, m); }
+inline void store_elems(uint16_t* p, VecF v, const Mask& m) { store_bf16(p, v, m); }
+inline void store_elems(float* p, VecF v, const Mask& m) { store(p, v, m); }
+
+template <typename E>
+inline void prefetch_row(const E* row, int64_t D) {
+  for (int64_t i = 0; i < D; i += 64 / sizeof(E)) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
 }
 
 // The V rows of one sequence and KV head, read through its block table.
+template <typename E>
 struct VRows {
-  const uint16_t* cache;
+  const E* cache;
   const int64_t* offsets;  // element offset of position start + i, for i < len - start
   int64_t D, start, len;
-  const uint16_t* row(int64_t t) const { return cache + offsets[t - start]; }
+  const E* row(int64_t t) const { return cache + offsets[t - start]; }
 };
 
 // Where score row r (query row r / G, query head r % G of the KV head's group) is written.
+template <typename E>
 struct OutRows {
-  uint16_t* base;  // row 0
+  E* base;  // row 0
   int64_t G, ld_query, D;
-  uint16_t* row(int64_t r) const { return base + (r / G) * ld_query + (r % G) * D; }
+  E* row(int64_t r) const { return base + (r / G) * ld_query + (r % G) * D; }
 };
 
 // The V pass takes up to kPassVecs vectors (16 dimensions each) of the head at once, with a tile
@@ -160,8 +187,9 @@ constexpr int rows_per_tile(int c) { return c == 1 ? 6 : 2; }
 #endif
 
 // out[r][d0, d0 + 16 C) = sum_t p[r][t] * v[t][d0, ...] / sums[r] for R score rows (p: [R, len - start]).
-template <int C>
-void accumulate_v(const VRows& rows, int64_t d0, const float* p, const float* inv_sum, int64_t R, const OutRows& out) {
+template <int C, typename E>
+void accumulate_v(const VRows<E>& rows, int64_t d0, const float* p, const float* inv_sum, int64_t R,
+                  const OutRows<E>& out) {
   constexpr int RT = rows_per_tile(C);
   const int64_t n = rows.len - rows.start;
   Mask masks[C];
@@ -172,10 +200,10 @@ void accumulate_v(const VRows& rows, int64_t d0, const float* p, const float* in
     for (int r = 0; r < RT; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = zero();
     for (int64_t t = rows.start; t < rows.len; ++t) {
-      const uint16_t* v = rows.row(t) + d0;
+      const E* v = rows.row(t) + d0;
       if (t + kPrefetchAhead < rows.len) prefetch_row(rows.row(t + kPrefetchAhead) + d0, 16 * C);
       VecF vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load_bf16(v + c * 16, masks[c]);
+      for (int c = 0; c < C; ++c) vv[c] = load_elems(v + c * 16, masks[c]);
       for (int r = 0; r < RT; ++r) {
         if (r < rt) {
           const VecF w = set1(p[(r0 + r) * n + (t - rows.start)]);
@@ -185,16 +213,16 @@ void accumulate_v(const VRows& rows, int64_t d0, const float* p, const float* in
     }
     for (int r = 0; r < rt; ++r) {
       const VecF inv = set1(inv_sum[r0 + r]);
-      uint16_t* o = out.row(r0 + r) + d0;
-      for (int c = 0; c < C; ++c) store_bf16(o + c * 16, mul(acc[r][c], inv), masks[c]);
+      E* o = out.row(r0 + r) + d0;
+      for (int c = 0; c < C; ++c) store_elems(o + c * 16, mul(acc[r][c], inv), masks[c]);
     }
   }
 }
 
 // accumulate_v<c> for 1 <= c <= C.
-template <int C>
-void accumulate_pass(int c, const VRows& rows, int64_t d0, const float* p, const float* inv_sum, int64_t R,
-                     const OutRows& out) {
+template <int C, typename E>
+void accumulate_pass(int c, const VRows<E>& rows, int64_t d0, const float* p, const float* inv_sum, int64_t R,
+                     const OutRows<E>& out) {
   if constexpr (C > 1) {
     if (c < C) return accumulate_pass<C - 1>(c, rows, d0, p, inv_sum, R, out);
   }
@@ -209,15 +237,17 @@ void accumulate_pass(int c, const VRows& rows, int64_t d0, const float* p, const
 // slot_mapping [T] (int64), the new tokens' keys and values are first written to their cache
 // slots, which saves the separate copies.
 //
-// Numerics: scores, softmax and the weighted sum of V in fp32, rounded once. A row's masked
-// positions enter the sums as exact zeros, so without a window a query row gives the same bits
-// whether it is computed alone (a decode) or among the rows of a verification step.
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+// Numerics: scores, softmax and the weighted sum of V in fp32, rounded once (bf16 E; fp32 E is
+// not rounded). A row's masked positions enter the sums as exact zeros, so without a window a
+// query row gives the same bits whether it is computed alone (a decode) or among the rows of a
+// verification step.
+template <typename E>
+at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, int64_t window,
                            const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
                            const std::optional<at::Tensor>& slot_mapping) {
-  check_bf16_cpu(q, "q");
-  check_bf16_cpu(kv_cache, "kv_cache");
+  check_elems_cpu<E>(q, "q");
+  check_elems_cpu<E>(kv_cache, "kv_cache");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with contiguous heads");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, blocks, block_size, Hkv, D] tensor");
@@ -253,10 +283,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   const bool write = k_new.has_value();
   TORCH_CHECK(write == v_new.has_value() && write == slot_mapping.has_value(),
               "k, v and slot_mapping come together");
-  uint16_t* cache_rows = reinterpret_cast<uint16_t*>(kv_cache.data_ptr<c10::BFloat16>());
+  E* cache_rows = elems<E>(kv_cache);
   if (write) {
     for (const at::Tensor* t : {&*k_new, &*v_new}) {
-      check_bf16_cpu(*t, "k and v");
+      check_elems_cpu<E>(*t, "k and v");
       TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) == Hkv && t->size(2) == D && t->stride(2) == 1,
                   "k and v must be [", T, ", ", Hkv, ", ", D, "] with contiguous heads");
     }
@@ -273,10 +303,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
       }
     }
     // Every row is written before any task reads (a tile may read rows another tile's task owns).
-    const uint16_t* knp = u16(*k_new);
-    const uint16_t* vnp = u16(*v_new);
+    const E* knp = elems<E>(*k_new);
+    const E* vnp = elems<E>(*v_new);
     const int64_t ldk = k_new->stride(0), ldkh = k_new->stride(1), ldv = v_new->stride(0), ldvh = v_new->stride(1);
-    const size_t bytes = static_cast<size_t>(D) * sizeof(uint16_t);
+    const size_t bytes = static_cast<size_t>(D) * sizeof(E);
     for (int64_t i = 0; i < T; ++i)
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t row = (slots[i] * Hkv + h) * D;  // slot-major rows of [blocks * block_size, Hkv, D]
@@ -293,10 +323,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
 
   at::Tensor out = at::empty({T, H, D}, q.options());
-  const uint16_t* qp = u16(q);
-  const uint16_t* kc = cache_rows;
-  const uint16_t* vc = kc + kv_cache.stride(0);
-  uint16_t* op = u16_mut(out);
+  const E* qp = elems<E>(q);
+  const E* kc = cache_rows;
+  const E* vc = kc + kv_cache.stride(0);
+  E* op = elems<E>(out);
   const int64_t ldq = q.stride(0), ldh = q.stride(1);
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, num_tiles * Hkv, 1, [&](int64_t i0, int64_t i1) {
@@ -322,7 +352,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
         for (int64_t g = 0; g < G; ++g)
           for (int64_t c = 0; c < C; ++c)
             store(qf.data() + ((i * G + g) * C + c) * 16,
-                  mul(load_bf16(qp + (first + i) * ldq + (h * G + g) * ldh + c * 16, tail_mask(D - c * 16)),
+                  mul(load_elems(qp + (first + i) * ldq + (h * G + g) * ldh + c * 16, tail_mask(D - c * 16)),
                       set1(fscale)));
       scores.resize(static_cast<size_t>(R * n));
       offsets.resize(static_cast<size_t>(n));
@@ -340,8 +370,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
         for (int64_t t = t0 + 16; t < std::min(len, t0 + 32); ++t) prefetch_row(kc + offsets[t - start], D);
         for (int64_t j = 0; j < 16; ++j) {
           const int64_t t = t0 + std::min(j, count - 1);  // pad with the last position
-          const uint16_t* k = kc + offsets[t - start];
-          for (int64_t c = 0; c < C; ++c) store(kf.data() + (j * C + c) * 16, load_bf16(k + c * 16, tail_mask(D - c * 16)));
+          const E* k = kc + offsets[t - start];
+          for (int64_t c = 0; c < C; ++c) store(kf.data() + (j * C + c) * 16, load_elems(k + c * 16, tail_mask(D - c * 16)));
         }
         for (int64_t r = 0; r < R; ++r) {
           VecF dots[16];
@@ -375,8 +405,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
         }
         inv_sum[r] = 1.0f / reduce_add(sum);
       }
-      const VRows rows{vc, offsets.data(), D, start, len};
-      const OutRows out_rows{op + (first * H + h * G) * D, G, H * D, D};
+      const VRows<E> rows{vc, offsets.data(), D, start, len};
+      const OutRows<E> out_rows{op + (first * H + h * G) * D, G, H * D, D};
       for (int64_t d0 = 0; d0 < D; d0 += 16 * kPassVecs) {
         const int c = static_cast<int>(std::min<int64_t>(kPassVecs, (D - d0 + 15) / 16));
         accumulate_pass<kPassVecs>(c, rows, d0, scores.data(), inv_sum.data(), R, out_rows);
@@ -384,6 +414,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
     }
   });
   return out;
+}
+
+// bf16 or fp32 (fp32 models), by q's dtype; every other tensor must match it.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale, int64_t window,
+                           const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+                           const std::optional<at::Tensor>& slot_mapping) {
+  if (q.scalar_type() == at::kFloat)
+    return paged_attention_impl<float>(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, window, k_new,
+                                       v_new, slot_mapping);
+  return paged_attention_impl<uint16_t>(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, window, k_new,
+                                        v_new, slot_mapping);
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// bf16-weight linear for x86-64 CPUs: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), built once per
-// instruction-set variant over the vector layer in vec.h.
+// bf16- and fp32-weight linear for x86-64 CPUs: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), built
+// once per instruction-set variant over the vector layer in vec.h.
 //
 // The weight is repacked once into panels of 16 output columns holding pairs of consecutive k:
 // [ceil(N / 16)][ceil(K / 2)][16][2] bf16, so that 32-bit lane i of a 64-byte panel row holds
@@ -14,6 +14,9 @@
 //     FMAs on CPUs that run it at full width (AMD Zen 4), with nothing to widen. Its sums run
 //     in the instruction's own order (pair by pair, denormals flushed), so they differ from the
 //     fp32 path in the last bits; results are still independent of tiles and threads.
+// An fp32 weight (fp32 models) is packed the same way with one k per 64-byte panel row,
+// [ceil(N / 16)][K][16] fp32, and always takes fp32 multiply-adds: each output summed over k in
+// order, equal bit for bit on every variant, tile and thread count.
 //
 // The micro-kernel keeps an MR x (NP * 16) tile of fp32 sums in registers for the whole K loop
 // and broadcasts x per row and k (bf16 rows are copied once per task into a thread-local
@@ -48,6 +51,17 @@ using namespace pagoda_vec;
 
 constexpr int kCols = 16;       // output columns per panel
 constexpr int kRowElems = 32;   // bf16 values per panel row: 16 columns x 2 k
+
+// Panel geometry per weight element type: a 64-byte panel row holds 2 k of bf16 (uint16_t bits)
+// or 1 k of fp32.
+template <typename Wt>
+constexpr int kPerRow = std::is_same_v<Wt, float> ? 1 : 2;
+template <typename Wt>
+constexpr int kElems = kCols * kPerRow<Wt>;  // elements per panel row
+template <typename Wt>
+constexpr int64_t panel_rows(int64_t K) { return (K + kPerRow<Wt> - 1) / kPerRow<Wt>; }
+template <typename Wt>
+constexpr int64_t panel_stride(int64_t K) { return panel_rows<Wt>(K) * kElems<Wt>; }  // elements per panel
 // Rows per micro-tile, and panels streamed at once for MR rows: MR * NP fp32 sums plus the
 // panel rows being widened fit in the register file (32 vectors of 16 lanes on AVX-512, 8 on
 // AVX2). Up to kAheadRows rows prefetch the panel rows they are about to read into L1, as
@@ -82,22 +96,15 @@ enum Epilogue : int64_t { kPlain = 0, kSwiGLU = 1 };
 
 // ---- packing ---------------------------------------------------------------------------------
 
-// w [N, K] -> [panels][ceil(K / 2)][32]; with swiglu, w is [gate; up] with N = 2 * I, and panels
-// 2j and 2j + 1 take gate rows 16j.. and up rows I + 16j.. .
-at::Tensor pack_weight(const at::Tensor& w, bool swiglu) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu(),
-              "weight must be a 2-D bfloat16 CPU tensor");
-  const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1), K2 = (K + 1) / 2;
-  TORCH_CHECK(!swiglu || N % 2 == 0, "a SwiGLU weight needs an even number of rows, got ", N);
-  const int64_t half = N / 2;
-  const int64_t panels = swiglu ? 2 * ((half + kCols - 1) / kCols) : (N + kCols - 1) / kCols;
-  at::Tensor out = at::empty({panels, K2, kRowElems}, wc.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+// w [N, K] -> [panels][ceil(K / 2)][32] (bf16) or [panels][K][16] (fp32); with swiglu, w is
+// [gate; up] with N = 2 * I, and panels 2j and 2j + 1 take gate rows 16j.. and up rows I + 16j.. .
+template <typename Wt>
+void pack_panels(const Wt* src, Wt* dst, int64_t N, int64_t K, int64_t panels, bool swiglu) {
+  constexpr int per = kPerRow<Wt>;
+  const int64_t rows_k = panel_rows<Wt>(K), half = N / 2;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      uint16_t* panel = dst + p * K2 * kRowElems;
+      Wt* panel = dst + p * panel_stride<Wt>(K);
       for (int i = 0; i < kCols; ++i) {
         int64_t row;  // source row of lane i
         bool valid;
@@ -109,11 +116,29 @@ at::Tensor pack_weight(const at::Tensor& w, bool swiglu) {
           row = p * kCols + i;
           valid = row < N;
         }
-        for (int64_t k = 0; k < 2 * K2; ++k)
-          panel[(k / 2) * kRowElems + 2 * i + k % 2] = valid && k < K ? src[row * K + k] : 0;
+        for (int64_t k = 0; k < per * rows_k; ++k)
+          panel[(k / per) * kElems<Wt> + per * i + k % per] = valid && k < K ? src[row * K + k] : Wt(0);
       }
     }
   });
+}
+
+at::Tensor pack_weight(const at::Tensor& w, bool swiglu) {
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat) &&
+                  w.device().is_cpu(),
+              "weight must be a 2-D bfloat16 or float32 CPU tensor");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1);
+  TORCH_CHECK(!swiglu || N % 2 == 0, "a SwiGLU weight needs an even number of rows, got ", N);
+  const int64_t panels = swiglu ? 2 * ((N / 2 + kCols - 1) / kCols) : (N + kCols - 1) / kCols;
+  if (wc.scalar_type() == at::kFloat) {
+    at::Tensor out = at::empty({panels, K, kCols}, wc.options());
+    pack_panels<float>(wc.data_ptr<float>(), out.data_ptr<float>(), N, K, panels, swiglu);
+    return out;
+  }
+  at::Tensor out = at::empty({panels, (K + 1) / 2, kRowElems}, wc.options());
+  pack_panels<uint16_t>(reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>()),
+                        reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), N, K, panels, swiglu);
   return out;
 }
 
@@ -143,30 +168,51 @@ struct Out {
 
 [[gnu::always_inline]] inline VecF load_bias(const float* b, int64_t left) { return left >= 16 ? load(b) : load(b, tail_mask(left)); }
 
-// The MR x (NP * 16) sums of rows [0, MR) of x times panels 0 .. NP of w (panel stride K2 * 32)
-// into `tile`; `next` is where the following panels start, prefetched into L2 on the way. X is
-// float (x in fp32, row stride ldx >= K: fp32 multiply-adds) or uint16_t (bf16 rows padded to
-// 2 * K2: vdpbf16ps). Kept apart from the epilogue (noinline, no calls), which lets the register
-// allocator keep the whole tile in registers.
-template <int MR, int NP, typename X>
-[[gnu::noinline]] void tile_sums(const X* x, int64_t ldx, const uint16_t* w, int64_t K, const uint16_t* next,
+// The MR x (NP * 16) sums of rows [0, MR) of x times panels 0 .. NP of w (panel stride
+// panel_stride<Wt>(K)) into `tile`; `next` is where the following panels start, prefetched into
+// L2 on the way. X is float (x in fp32, row stride ldx >= K: fp32 multiply-adds) or uint16_t
+// (bf16 rows padded to 2 * K2: vdpbf16ps, bf16 weights only); Wt is uint16_t (bf16 weight bits)
+// or float. Kept apart from the epilogue (noinline, no calls), which lets the register allocator
+// keep the whole tile in registers.
+template <int MR, int NP, typename X, typename Wt>
+[[gnu::noinline]] void tile_sums(const X* x, int64_t ldx, const Wt* w, int64_t K, const Wt* next,
                                  float (*tile)[NP * kCols]) {
-  const int64_t K2 = (K + 1) / 2, pstride = K2 * kRowElems;
+  [[maybe_unused]] const int64_t K2 = (K + 1) / 2;
+  const int64_t pstride = panel_stride<Wt>(K);
   constexpr int NV = NP * kSplit;  // registers of sums per row
+  constexpr int RE = kElems<Wt>;   // elements per 64-byte panel row
   VecN acc[MR][NV];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
     for (int j = 0; j < NV; ++j) acc[m][j] = set1_n(0.0f);
   const auto prefetch = [&](int p, int64_t kp) {
-    const uint16_t* src = w + p * pstride + kp * kRowElems;
+    const Wt* src = w + p * pstride + kp * RE;
     if (MR <= kAheadRows) {
-      _mm_prefetch(reinterpret_cast<const char*>(src + prefetch_rows(NP) * kRowElems), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(src + prefetch_rows(NP) * RE), _MM_HINT_NTA);
     } else if (next) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + p * pstride + kp * kRowElems), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + p * pstride + kp * RE), _MM_HINT_T1);
     }
   };
-  if constexpr (std::is_same_v<X, uint16_t>) {
+  if constexpr (std::is_same_v<Wt, float>) {
+    // fp32 weights: one panel row per k, NV weight registers live beside the sums.
+    static_assert(std::is_same_v<X, float>, "fp32 weights take fp32 inputs");
+    for (int64_t k = 0; k < K; ++k) {
+      VecN wv[NV];
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) {
+        prefetch(p, k);
+#pragma GCC unroll 2
+        for (int s = 0; s < kSplit; ++s) wv[p * kSplit + s] = load_n(w + p * pstride + k * RE + s * (kCols / kSplit));
+      }
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const VecN a = set1_n(x[m * ldx + k]);
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; ++j) acc[m][j] = fmadd(a, wv[j], acc[m][j]);
+      }
+    }
+  } else if constexpr (std::is_same_v<X, uint16_t>) {
 #if defined(PAGODA_ISA_AVX512_BF16)
     for (int64_t kp = 0; kp < K2; ++kp) {
 #pragma GCC unroll 8
@@ -176,7 +222,7 @@ template <int MR, int NP, typename X>
         uint32_t pair;
         std::memcpy(&pair, x + m * ldx + 2 * kp, sizeof(pair));
 #pragma GCC unroll 8
-        for (int p = 0; p < NP; ++p) acc[m][p] = dot_bf16_pairs(acc[m][p], w + p * pstride + kp * kRowElems, pair);  // NV == NP
+        for (int p = 0; p < NP; ++p) acc[m][p] = dot_bf16_pairs(acc[m][p], w + p * pstride + kp * RE, pair);  // NV == NP
       }
     }
 #endif
@@ -187,7 +233,7 @@ template <int MR, int NP, typename X>
       VecN wv[NV];
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) {
-        const uint16_t* row = w + p * pstride + kp * kRowElems;
+        const uint16_t* row = w + p * pstride + kp * RE;
         if (half == 0) prefetch(p, kp);
 #pragma GCC unroll 2
         for (int s = 0; s < kSplit; ++s)
@@ -216,9 +262,9 @@ template <int MR, int NP, typename X>
 
 // Rows [0, MR) of x times panels panel0 .. panel0 + NP of w, through the epilogue into y.
 // `stash` keeps a gate panel's sums [MR][16] for its up panel when the two are not in one tile.
-template <int MR, int NP, typename X>
-void micro(const X* x, int64_t ldx, const uint16_t* w, int64_t K, const Out& o, int64_t row0, int64_t panel0,
-           const uint16_t* next, float* stash) {
+template <int MR, int NP, typename X, typename Wt>
+void micro(const X* x, int64_t ldx, const Wt* w, int64_t K, const Out& o, int64_t row0, int64_t panel0,
+           const Wt* next, float* stash) {
   alignas(64) float tile[MR][NP * kCols];
   tile_sums<MR, NP>(x, ldx, w, K, next, tile);
   const auto sums = [&](int m, int p) { return load(&tile[m][p * kCols]); };
@@ -263,19 +309,19 @@ void micro(const X* x, int64_t ldx, const uint16_t* w, int64_t K, const Out& o, 
 }
 
 // One block of MR rows times panels [p0, p1); panels up to `last` may be prefetched.
-template <int MR, typename X>
-void block_panels(const X* x, int64_t ldx, const uint16_t* w, int64_t K, const Out& o, int64_t row0, int64_t p0,
+template <int MR, typename X, typename Wt>
+void block_panels(const X* x, int64_t ldx, const Wt* w, int64_t K, const Out& o, int64_t row0, int64_t p0,
                   int64_t p1, int64_t last) {
   // Few rows are bound by reading the weight: stream several panels at once. SwiGLU tiles hold
   // whole gate/up pairs, or one panel at a time (gate, then its up).
   constexpr int NP = np_for(MR);
   constexpr int NP_SWIGLU = NP % 2 == 0 || NP == 1 ? NP : NP - 1;
-  const int64_t pstride = (K + 1) / 2 * kRowElems;
+  const int64_t pstride = panel_stride<Wt>(K);
   alignas(64) float stash[MR * kCols];
   int64_t p = p0;
   const auto tiles = [&]<int W>() {
     for (; p + W <= p1; p += W) {
-      const uint16_t* next = p + 2 * W <= last ? w + (p + W) * pstride : nullptr;
+      const Wt* next = p + 2 * W <= last ? w + (p + W) * pstride : nullptr;
       micro<MR, W>(x, ldx, w + p * pstride, K, o, row0, p, next, stash);
     }
   };
@@ -288,15 +334,15 @@ void block_panels(const X* x, int64_t ldx, const uint16_t* w, int64_t K, const O
     micro<MR, 1>(x, ldx, w + p * pstride, K, o, row0, p, p + 2 <= last ? w + (p + 1) * pstride : nullptr, stash);
 }
 
-template <typename X>
-using BlockFn = void (*)(const X*, int64_t, const uint16_t*, int64_t, const Out&, int64_t, int64_t, int64_t, int64_t);
+template <typename X, typename Wt>
+using BlockFn = void (*)(const X*, int64_t, const Wt*, int64_t, const Out&, int64_t, int64_t, int64_t, int64_t);
 
-template <typename X, int... Is>
+template <typename X, typename Wt, int... Is>
 constexpr auto make_table(std::integer_sequence<int, Is...>) {
-  return std::array<BlockFn<X>, sizeof...(Is)>{&block_panels<Is + 1, X>...};
+  return std::array<BlockFn<X, Wt>, sizeof...(Is)>{&block_panels<Is + 1, X, Wt>...};
 }
-template <typename X>
-constexpr auto kBlockFns = make_table<X>(std::make_integer_sequence<int, kMaxMR>{});
+template <typename X, typename Wt>
+constexpr auto kBlockFns = make_table<X, Wt>(std::make_integer_sequence<int, kMaxMR>{});
 
 // M rows split into ceil(M / kMaxMR) blocks of near-equal size: (first row, rows).
 std::vector<std::pair<int64_t, int>> row_blocks(int64_t M) {
@@ -325,10 +371,11 @@ inline void widen_row(const c10::BFloat16* src, float* dst, int64_t n) {
 // Work is split into tasks of (a group of row blocks) x (a chunk of panels). Within a task each
 // panel is reused from cache by every row block of the group; bf16 rows of x are copied (widened
 // to fp32 for multiply-adds, padded to an even length for vdpbf16ps) once per group and thread.
-template <typename T, typename X>
-void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t panels, const Out& o) {
+template <typename T, typename X, typename Wt>
+void run(const T* x, int64_t ldx, int64_t M, int64_t K, const Wt* w, int64_t panels, const Out& o) {
   const auto blocks = row_blocks(M);
   const int64_t K2 = (K + 1) / 2;
+  const int64_t panel_bytes = std::max<int64_t>(panel_stride<Wt>(K), 1) * static_cast<int64_t>(sizeof(Wt));
   const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(sizeof(X));
   std::vector<std::pair<size_t, size_t>> groups;  // [first block, end block)
   for (size_t b = 0; b < blocks.size();) {
@@ -342,7 +389,7 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64
   // Panels go to tasks in units of one (plain) or a gate/up pair (SwiGLU).
   const int64_t unit = o.epilogue == kSwiGLU ? 2 : 1;
   const int64_t units = panels / unit;
-  const int64_t chunk = std::max<int64_t>(8, kChunkBytes / (std::max<int64_t>(K2, 1) * kRowElems * 2)) / 8 * 8 / unit;
+  const int64_t chunk = std::max<int64_t>(8, kChunkBytes / panel_bytes) / 8 * 8 / unit;
   int64_t chunks = (units + chunk - 1) / chunk;
   if (groups.size() == 1) {
     // One group (decode): a multiple of the thread count of near-equal chunks, so that every
@@ -390,7 +437,7 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64
       for (int64_t p = p_begin; p < p_end; p += step) {
         for (size_t b = b0; b < b1; ++b) {
           const auto [row, rows] = blocks[b];
-          kBlockFns<X>[rows - 1](xg + (row - row0) * ldg, ldg, w, K, o, row, p, std::min(p + step, p_end), panels);
+          kBlockFns<X, Wt>[rows - 1](xg + (row - row0) * ldg, ldg, w, K, o, row, p, std::min(p + step, p_end), panels);
         }
       }
     }
@@ -401,12 +448,16 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
                          int64_t epilogue, bool out_fp32) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bfloat16 or float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kRowElems && packed.scalar_type() == at::kBFloat16 &&
-                  packed.is_contiguous() && packed.device().is_cpu(),
-              "packed must be a contiguous bfloat16 CPU tensor of shape [panels, (K + 1) / 2, 32]");
+  const bool fp32_weight = packed.scalar_type() == at::kFloat;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == (fp32_weight ? kCols : kRowElems) &&
+                  (fp32_weight || packed.scalar_type() == at::kBFloat16) && packed.is_contiguous() &&
+                  packed.device().is_cpu(),
+              "packed must be a contiguous CPU tensor of shape [panels, (K + 1) / 2, 32] (bfloat16) or "
+              "[panels, K, 16] (float32)");
   TORCH_CHECK(epilogue == kPlain || epilogue == kSwiGLU, "unknown epilogue ", epilogue);
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) == (K + 1) / 2, "packed weight has ", packed.size(1), " pair rows, x has K=", K);
+  const int64_t rows_k = fp32_weight ? K : (K + 1) / 2;
+  TORCH_CHECK(packed.size(1) == rows_k, "packed weight has ", packed.size(1), " panel rows, x has K=", K);
   const int64_t expected = epilogue == kSwiGLU ? 2 * ((n + kCols - 1) / kCols) : (n + kCols - 1) / kCols;
   TORCH_CHECK(n >= 1 && expected == panels, "n=", n, " does not match ", panels, " panels");
   const float* b = nullptr;
@@ -421,6 +472,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   if (M == 0) return y;
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   const Out o{y.data_ptr(), n, out_fp32, n, b, static_cast<Epilogue>(epilogue)};
+  if (fp32_weight) {
+    const float* w = packed.data_ptr<float>();
+    if (xc.scalar_type() == at::kFloat) {
+      run<float, float>(xc.data_ptr<float>(), xc.stride(0), M, K, w, panels, o);
+    } else {
+      run<c10::BFloat16, float>(xc.data_ptr<c10::BFloat16>(), xc.stride(0), M, K, w, panels, o);
+    }
+    return y;
+  }
   const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
   if (xc.scalar_type() == at::kFloat) {
     run<float, float>(xc.data_ptr<float>(), xc.stride(0), M, K, w, panels, o);

@@ -107,6 +107,7 @@ inline VecF load_bf16_seconds(const uint16_t* p) { return widen_high(_mm512_load
 using VecN = __m512;
 constexpr int kSplit = 1;
 inline VecN set1_n(float v) { return _mm512_set1_ps(v); }
+inline VecN load_n(const float* p) { return _mm512_loadu_ps(p); }
 inline void store_n(float* p, VecN v) { _mm512_storeu_ps(p, v); }
 // Part s of load_bf16_firsts / load_bf16_seconds.
 inline VecN load_bf16_firsts_n(const uint16_t* p, int) { return load_bf16_firsts(p); }
@@ -240,6 +241,7 @@ inline VecF load_bf16(const uint16_t* p, const Mask& m) {
 using VecN = __m256;
 constexpr int kSplit = 2;
 inline VecN set1_n(float v) { return _mm256_set1_ps(v); }
+inline VecN load_n(const float* p) { return _mm256_loadu_ps(p); }
 inline VecN fmadd(VecN a, VecN b, VecN c) { return _mm256_fmadd_ps(a, b, c); }
 inline void store_n(float* p, VecN v) { _mm256_storeu_ps(p, v); }
 inline VecN load_bf16_firsts_n(const uint16_t* p, int s) {
