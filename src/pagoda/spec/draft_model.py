@@ -148,7 +148,9 @@ class DraftModelProposer:
         del seq.token_ids[old:]
         seq.token_ids.extend(new)
         seq.num_verified = verified
-        seq.num_computed_tokens = min(seq.num_computed_tokens, same)
+        # The last token is always fed again (its logits propose the next draft), so each pass
+        # computes at least one token of every sequence it takes.
+        seq.num_computed_tokens = min(seq.num_computed_tokens, same, seq.num_tokens - 1)
         self._cache_verified(seq)
         self.kv.trim(seq)  # the blocks that held only tokens it no longer has
         return seq
