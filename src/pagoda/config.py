@@ -76,7 +76,8 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = arg(
         None,
         help='speculative decoding, as vLLM spells it: a JSON object such as {"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": '
+        '"draft_model", "model": PATH, "num_speculative_tokens": 4}',
         metavar="JSON",
     )
     tensor_parallel_size: int = arg(
@@ -286,10 +287,11 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be 'fcfs' or 'lpm', got {self.policy!r}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # The keys each method takes (anything else in a speculative_config is an error).
 _SPECULATIVE_KEYS = {
     "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_running"),
+    "draft_model": ("method", "model", "num_speculative_tokens", "max_running"),
 }
 
 
@@ -300,6 +302,8 @@ class SpeculativeConfig:
 
     ngram (prompt lookup decoding): the longest suffix of the sequence, between prompt_lookup_min
     and prompt_lookup_max tokens, that occurred earlier proposes the tokens that followed it.
+    draft_model: a small model (`model`: a folder or GGUF file) sharing the target's tokenizer
+    proposes num_speculative_tokens tokens a step (spec/draft_model.py).
     `max_running`: proposals only while at most this many requests run (the load gate; None: the
     device's default, see pagoda.engine.resolve)."""
 
@@ -308,6 +312,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # given only one of the two, the other follows it
     prompt_lookup_max: int = 4
     max_running: int | None = None
+    model: str | None = None  # the draft model (method draft_model only)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -336,6 +341,13 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: max_running must be a positive integer, got {self.max_running!r}"
             )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative_config: method 'draft_model' needs 'model' (the draft model's folder or "
+                "GGUF file); other methods take none"
+            )
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative_config: model must be a path, got {self.model!r}")
 
     @property
     def max_running_or_unlimited(self) -> float:
@@ -389,6 +401,10 @@ class EngineConfig:
     structured: StructuredOutputConfig
     tokenizer: str  # tokenizer folder
     speculative: SpeculativeConfig | None = None  # with max_running resolved
+    # The draft model (speculative method draft_model): loaded in the target's dtype on its
+    # device, on rank 0 only and unsharded, with a KV pool of its own (draft_cache).
+    draft_model: ModelConfig | None = None
+    draft_cache: CacheConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # The load gate of predicted outputs (SamplingParams.prediction): drafts from a prediction only
     # while at most this many requests run (None: no limit); speculative.max_running when set.

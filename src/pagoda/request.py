@@ -70,6 +70,9 @@ class Request:
         # Jump-forward: trailing tokens the grammar forces, appended unverified. They are computed
         # with the next step and kept only as far as sampling would have picked them too.
         self.num_draft_tokens = 0
+        # float32 [num_draft_tokens, vocab]: q of each draft when a draft model drew them at random
+        # (the rejection sampler's input), else None. Set and cleared with the drafts.
+        self.draft_probs: torch.Tensor | None = None
         # Prompt logprobs (SamplingParams.prompt_logprobs): entries filled by the engine core
         # position by position as prompt chunks are computed; `prompt_logprobs_next` is the next
         # position still owed (None once all are in, or when none were asked). The samples of an
@@ -124,6 +127,7 @@ class Request:
             if self.grammar is not None:
                 self.grammar.rollback(k)
             self.num_draft_tokens = 0
+            self.draft_probs = None
 
     def check_stop(self, max_model_len: int) -> bool:
         """After a token was appended: set the finish reason if generation must end here."""

@@ -182,3 +182,27 @@ def test_structured_output_jump_forward_seeds_and_drafts_under_tensor_parallelis
     assert single[1] > 0 and single[2] > 0  # jump-forward and n-gram drafts both ran
     with LLM(path, tensor_parallel_size=2, **kwargs) as llm:
         assert run(llm) == single
+
+
+def test_draft_model_on_rank_zero(tiny_model_dirs):
+    """The draft model runs on rank 0 only, unsharded, beside rank 0's shard of the target: size 2
+    gives size 1's greedy outputs and drafts (the target as its own draft: all accepted)."""
+    path = tiny_model_dirs["LlamaForCausalLM"]
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 4, "max_running": 8}
+    kwargs = dict(dtype="float32", num_kv_blocks=256, block_size=8, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7], [9, 8, 9, 8, 9, 8, 9], [3, 4, 40, 41, 42]]
+
+    def run(llm: LLM) -> tuple[list[list[int]], int, int]:
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine.stats()
+        assert_clean(llm)
+        draft = llm.engine.core.drafter.draft_model
+        assert draft.worker.model.tp.size == 1 and draft.num_records == 0
+        return outs, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+
+    single = run(LLM(path, **kwargs))
+    assert single[1] == single[2] > 0
+    with LLM(path, tensor_parallel_size=2, **kwargs) as llm:
+        assert llm.engine.core.executor.worker.model.tp.size == 2
+        assert run(llm) == single

@@ -4,8 +4,8 @@ Workloads: `batch` (many requests at once), `single` (one stream), `prefill` (on
 compared with transformers `generate` on the same prompts, dtype and threads (or, with
 `--baseline llama.cpp`, llama-cpp-python on the same GGUF file); and `shared-prefix` and
 `multi-turn`, run with the prefix cache on and off; `structured` with jump-forward on and off;
-`spec` (greedy) with speculative decoding on (`--speculative-config`, default n-gram lookup) and
-off, checking that the outputs are the same and reporting the acceptance rate, the mean accepted
+`spec` (greedy) with speculative decoding on (`--speculative-config`, default n-gram lookup;
+`--draft-model PATH` or `--draft-layers N`: a draft model) and off, checking that the outputs are the same and reporting the acceptance rate, the mean accepted
 length and the forward passes saved; `code-edit` (greedy) with OpenAI's predicted outputs on and
 off: the prediction is the model's own greedy output for the prompt with a few short spans
 changed (an editor's earlier version of the file), reporting the accepted / rejected prediction
@@ -133,6 +133,24 @@ class OfflineArgs:
         "by pagoda quantize next to the model",
         metavar="TYPE",
     )
+    draft_model: str | None = arg(
+        None,
+        help="spec: verify the drafts of this draft model (speculative method draft_model)",
+        metavar="PATH",
+    )
+    draft_layers: int | None = arg(
+        None,
+        help="spec: a draft model of the target's first N layers (see --draft-weights), written next "
+        "to the target once",
+        metavar="N",
+    )
+    draft_weights: str = arg(
+        "truncated",
+        help="--draft-layers: a truncated copy of the target (its embedding, first N layers, norm and "
+        "LM head) or a random model of its family and shape",
+        choices=("truncated", "random"),
+    )
+    num_speculative_tokens: int = arg(4, help="spec with a draft model: tokens it proposes a step")
     seed: int = arg(0, help="seed of the prompts and of the engine")
     result_file: str | None = arg(None, help="write the figures as JSON here")
 
@@ -708,6 +726,21 @@ def _run_spec(args, model, tokenizer, n, input_len, output_len) -> list[RunResul
     from pagoda.sampling_params import SamplingParams
 
     config = args.speculative_config or DEFAULT_SPEC_CONFIG
+    if args.draft_model or args.draft_layers:
+        if args.speculative_config or (args.draft_model and args.draft_layers):
+            raise SystemExit(
+                "pagoda bench offline: give one of --draft-model, --draft-layers and --speculative-config"
+            )
+        draft = args.draft_model
+        if args.draft_layers:
+            from pagoda.bench.drafts import draft_model
+
+            draft = draft_model(model, args.draft_layers, args.draft_weights)
+        config = {
+            "method": "draft_model",
+            "model": draft,
+            "num_speculative_tokens": args.num_speculative_tokens,
+        }
     spec = SpeculativeConfig.from_dict(config)
     print(f"speculative_config: {json.dumps(config)}")
     prompts = _random_prompts(tokenizer, n, input_len, args.seed)
@@ -719,17 +752,19 @@ def _run_spec(args, model, tokenizer, n, input_len, output_len) -> list[RunResul
     for engine in engines.values():
         _warmup(engine)
     times: dict[str, list[float]] = {name: [] for name in engines}
+    cpu_times: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list[list[int]]] = {}
     counts: dict[str, tuple[int, int, int, int]] = {}
     for _ in range(SPEC_REPEATS):
         for name, engine in engines.items():
             before = engine.stats()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             ids = [engine.add_request(None, p, params) for p in prompts]
             done = {}
             while engine.has_unfinished_requests():
                 done.update({o.request_id: o for o in engine.step() if o.finished})
             times[name].append(time.perf_counter() - start)
+            cpu_times[name].append(time.process_time() - cpu_start)
             after = engine.stats()
             outputs[name] = [done[i].outputs[0].token_ids for i in ids]
             counts[name] = (
@@ -750,6 +785,12 @@ def _run_spec(args, model, tokenizer, n, input_len, output_len) -> list[RunResul
         f"forward passes (summed over sequences): {steps_on} on, {steps_off} off "
         f"({1 - steps_on / max(steps_off, 1):.1%} saved)"
     )
+    cpu_on, cpu_off = (statistics.median(cpu_times[name]) for name in engines)
+    # With --threads 1 the process CPU time is the work done, whatever else runs on the machine.
+    print(f"process CPU time (median): {cpu_on:.2f} s on, {cpu_off:.2f} s off ({cpu_off / cpu_on:.2f}x)")
+    draft = engines["spec on"].core.drafter.draft_model
+    if draft is not None:
+        print(f"draft model forward passes: {draft.num_forward_passes} (all runs)")
     if not same:
         raise SystemExit("pagoda bench offline: speculative decoding changed the greedy outputs")
     out_tokens = sum(map(len, outputs["spec off"]))

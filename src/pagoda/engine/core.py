@@ -19,6 +19,7 @@ from pagoda.request import Request
 from pagoda.sample.metadata import make_generator
 from pagoda.scheduler.scheduler import Scheduler
 from pagoda.spec import Drafter, Prediction
+from pagoda.spec.draft_model import DraftModelProposer
 from pagoda.step import GrammarMasks, SchedulerOutput
 from pagoda.structured import GrammarManager
 from pagoda.worker.executor import make_executor
@@ -49,8 +50,19 @@ class EngineCore:
         self._grammar_factory = grammar_factory
         self._grammars: GrammarManager | None = None
         self._grammar_lock = threading.Lock()  # front ends compile off the engine loop
+        # The draft model (speculative method draft_model), its KV pool and KV manager: rank 0's,
+        # owned by the proposer, beside the target's.
+        draft_model = None
+        if config.draft_model is not None:
+            draft_model = DraftModelProposer(
+                config.draft_model, config.draft_cache, config.scheduler.max_num_batched_tokens
+            )
         self.drafter = Drafter(
-            config.speculative, config.structured, config.max_model_len, config.prediction_max_running
+            config.speculative,
+            config.structured,
+            config.max_model_len,
+            config.prediction_max_running,
+            draft_model,
         )
 
     # ---- requests --------------------------------------------------------------------------------
@@ -85,6 +97,7 @@ class EngineCore:
         """Finish requests from outside the step (unknown or finished ids are skipped) and free
         their blocks now. Returns their final outputs."""
         finished = self.scheduler.finish_requests(list(request_ids), reason, stop_reasons)
+        self.drafter.release(r.request_id for r in finished)
         if finished:
             self._after_change()
         return [
@@ -171,8 +184,10 @@ class EngineCore:
                     del sampled[rid]
                     continue
             res.drafts = self.drafter.propose(req, res.tokens, num_running, self.grammars)
+        self.drafter.flush(sampled)  # the draft model's drafts, for every queued request at once
         verified = {rid: requests[rid].num_tokens - requests[rid].num_draft_tokens for rid in sampled}
         changed = self.scheduler.update_from_output(sched, sampled)
+        self.drafter.end_step(r.request_id for r in self.scheduler.running)
         outputs = []
         for req in changed:
             new = req.token_ids[verified[req.request_id] : req.num_tokens - req.num_draft_tokens]
@@ -242,6 +257,8 @@ class EngineCore:
             )
 
     def reset_prefix_cache(self) -> int:
+        """Drop the unused cached prefixes (the draft model's too); returns the target's count."""
+        self.drafter.reset_prefix_cache()
         return self.kv.reset_prefix_cache()
 
     def shutdown(self) -> None:
@@ -250,6 +267,7 @@ class EngineCore:
 
     def check_invariants(self) -> None:
         self.scheduler.check()
+        self.drafter.check(r.request_id for r in self.scheduler.running)
 
 
 def _store_prompt_logprobs(req: Request, pos: int, entries: list[dict[int, Logprob]]) -> None:

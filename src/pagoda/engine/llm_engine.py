@@ -17,7 +17,13 @@ from pagoda.limits import check_context
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams, StructuredOutputs
 from pagoda.structured import CompiledGrammar, GrammarConfig, GrammarManager
-from pagoda.tokenizer import OutputTextState, apply_chat_template, eos_token_ids, load_tokenizer
+from pagoda.tokenizer import (
+    OutputTextState,
+    apply_chat_template,
+    check_same_tokenizer,
+    eos_token_ids,
+    load_tokenizer,
+)
 
 
 class LLMEngine:
@@ -31,6 +37,9 @@ class LLMEngine:
         self.config = resolve_engine_config(args)  # what the engine runs with
         self.tokenizer = load_tokenizer(self.config.tokenizer)
         self.eos_token_ids = eos_token_ids(self.tokenizer, args.model)
+        if self.config.draft_model is not None:  # before either model loads
+            draft = load_tokenizer(self.config.draft_model.path)
+            check_same_tokenizer(self.tokenizer, draft, "speculative_config")
         self.core = EngineCore(self.config, self._make_grammar_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

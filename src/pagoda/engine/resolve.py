@@ -53,10 +53,7 @@ _DTYPES = {
 def resolve_engine_config(args: EngineArgs) -> EngineConfig:
     """Raises ValueError naming the problem (a model folder that does not parse, a context
     length beyond the model's)."""
-    if is_gguf_path(args.model):
-        _, arch = parse_gguf_config(GGUFFile(args.model))
-    else:
-        _, arch = parse_hf_config(read_hf_config(args.model))
+    arch = _arch(args.model)
     parallel = args.parallel_config()
     arch.check_tensor_parallel(parallel.tensor_parallel_size)  # before any rank starts
     device = resolve_device(args.device)
@@ -82,6 +79,13 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         speculative = SpeculativeConfig.from_dict(args.speculative_config)
         if speculative.max_running is None and device.type == "cpu":
             speculative = dataclasses.replace(speculative, max_running=CPU_SPECULATIVE_MAX_RUNNING)
+    draft_model = draft_cache = None
+    if speculative is not None and speculative.method == "draft_model":
+        _check_draft(speculative.model, arch, args.model, dtype if args.dtype == "auto" else None)
+        draft_model = ModelConfig(path=speculative.model, dtype=dtype, device=device, seed=args.seed)
+        # The draft's pool holds as many tokens as the target's (the same blocks of the same
+        # size, each of the draft's layer shapes): the draft keeps KV only for running requests.
+        draft_cache = CacheConfig(args.block_size, num_blocks, enable_prefix_caching=True)
     if speculative is not None:
         prediction_max_running = speculative.max_running
     else:
@@ -95,10 +99,41 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         structured=StructuredOutputConfig(args.enable_jump_forward, jump_forward_limit),
         tokenizer=args.tokenizer or args.model,
         speculative=speculative,
+        draft_model=draft_model,
+        draft_cache=draft_cache,
         parallel=parallel,
         prediction_max_running=prediction_max_running,
         check_invariants=os.environ.get("PAGODA_CHECK_INVARIANTS", "") not in ("", "0"),
     )
+
+
+def _arch(model: str) -> ModelArchConfig:
+    if is_gguf_path(model):
+        return parse_gguf_config(GGUFFile(model))[1]
+    return parse_hf_config(read_hf_config(model))[1]
+
+
+def _check_draft(draft: str, target: ModelArchConfig, target_path: str, dtype: torch.dtype | None) -> None:
+    """A draft model must share the target's vocabulary (the tokenizers are compared when they
+    load) and, where the engine takes the checkpoint's dtype, its dtype: it runs in the target's
+    dtype on the target's device."""
+    try:
+        arch = _arch(draft)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"speculative_config: the draft model {draft!r} does not load: {exc}") from None
+    if arch.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model's vocabulary size ({arch.vocab_size}) differs from "
+            f"the target's ({target.vocab_size}); a draft must share the target's tokenizer"
+        )
+    if dtype is not None:
+        draft_dtype = resolve_dtype("auto", draft)
+        if draft_dtype != dtype:
+            raise ValueError(
+                f"speculative_config: the draft model's dtype ({str(draft_dtype).removeprefix('torch.')}) "
+                f"differs from the target's ({str(dtype).removeprefix('torch.')}); give both checkpoints "
+                "the same dtype, or set dtype for both"
+            )
 
 
 def kv_bytes_per_block(

@@ -5,7 +5,9 @@ Proposers, in order (each continues the drafts of those before it):
 - grammar-forced tokens (structured output's jump-forward): what the grammar allows only;
 - the request's predicted output (`SamplingParams.prediction`, spec/prediction.py), filtered by
   its grammar; it needs no `speculative_config`;
-- n-gram prompt lookup (`speculative_config` method "ngram"), filtered by the request's grammar.
+- n-gram prompt lookup (`speculative_config` method "ngram"), filtered by the request's grammar;
+  or the draft model (method "draft_model", spec/draft_model.py): `propose` queues the request,
+  and `flush` runs the draft model once for every queued request of the step, batched.
 
 Exactness does not depend on a proposer: the sampler keeps a draft only where sampling the target
 model would have chosen it anyway (greedy, or the same seeded draw), so outputs are those without
@@ -21,13 +23,18 @@ draft token costs a token of work (see pagoda.engine.resolve).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from pagoda.config import SpeculativeConfig, StructuredOutputConfig
 from pagoda.request import Request
+from pagoda.spec.draft_model import DraftItem, DraftModelProposer
 from pagoda.spec.ngram import NgramIndex
 from pagoda.spec.prediction import MATCH_MAX, PREDICTION_NUM_DRAFTS
+from pagoda.step import SampledTokens
 
 if TYPE_CHECKING:
     from pagoda.structured import GrammarManager
@@ -51,8 +58,12 @@ class Drafter:
         structured: StructuredOutputConfig,
         max_model_len: int,
         prediction_max_running: int | None = None,
+        draft_model: DraftModelProposer | None = None,
     ):
         self.spec = spec
+        self.draft_model = draft_model
+        self._queue: list[DraftItem] = []  # this step's requests for the draft model
+        self._drafted: set[str] = set()
         self.structured = structured
         self.max_model_len = max_model_len
         self.prediction_limit = float("inf") if prediction_max_running is None else prediction_max_running
@@ -121,6 +132,13 @@ class Drafter:
         want = min(spec.num_speculative_tokens, room) - len(drafts)
         if want <= 0:
             return drafts
+        if self.draft_model is not None:
+            # A random request's drafts must be drawn from the q they are verified with, so the
+            # grammar cannot cut them afterwards: a constrained one drafts only when greedy.
+            if grammar is None or req.params.greedy:
+                stops = req.stop_token_ids | (req.eos_token_ids if grammar is not None else frozenset())
+                self._queue.append(DraftItem(req, end, list(tokens), list(drafts), want, stops))
+            return drafts
         index = self._ngrams.get(req)
         if index is None:
             index = self._ngrams[req] = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -129,6 +147,58 @@ class Drafter:
         if grammar is not None:
             more = _allowed_prefix(grammar, more)
         return drafts + more
+
+    def flush(self, sampled: dict[str, SampledTokens]) -> None:
+        """Run the draft model for the requests `propose` queued this step (one batch) and append
+        its tokens to their drafts. A random request also gets q for every draft (one-hot for
+        the drafts of the proposers before the model, which chose them deterministically)."""
+        queue, self._queue = self._queue, []
+        self._drafted = {item.request.request_id for item in queue}
+        if not queue:
+            return
+        results = self.draft_model.propose(queue)
+        for item in queue:
+            rid = item.request.request_id
+            if rid not in results:
+                continue
+            more, q = results[rid]
+            grammar = item.request.grammar
+            if grammar is not None:
+                more = _allowed_prefix(grammar, more)  # greedy: any cut is exact
+            if not more:
+                continue
+            res = sampled[rid]
+            if q is not None:
+                res.draft_probs = _span_probs(res.drafts, q[: len(more)])
+            res.drafts = res.drafts + more
+
+    def end_step(self, running: Iterable[str]) -> None:
+        """After the scheduler applied the step: the draft model keeps KV only for the requests
+        it drafted for and that still run."""
+        if self.draft_model is not None:
+            self.draft_model.end_step(self._drafted.intersection(running))
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Requests that ended outside the step (aborts): their draft KV goes now."""
+        if self.draft_model is not None:
+            self.draft_model.release(request_ids)
+
+    def reset_prefix_cache(self) -> None:
+        if self.draft_model is not None:
+            self.draft_model.kv.reset_prefix_cache()
+
+    def check(self, running: Iterable[str]) -> None:
+        if self.draft_model is not None:
+            self.draft_model.check(running)
+
+
+def _span_probs(before: list[int], q: torch.Tensor) -> torch.Tensor:
+    """q for a whole draft span: one-hot rows for the deterministic drafts before the model's."""
+    if not before:
+        return q
+    onehot = torch.zeros(len(before), q.shape[1], dtype=q.dtype, device=q.device)
+    onehot[torch.arange(len(before)), torch.tensor(before)] = 1.0
+    return torch.cat([onehot, q])
 
 
 def _allowed_prefix(grammar, drafts: list[int]) -> list[int]:

@@ -36,6 +36,24 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase
     return tokenizer
 
 
+def check_same_tokenizer(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase, what: str) -> None:
+    """ValueError unless `draft` maps the same strings to the same ids as `target`, special tokens
+    included (a draft model's tokens are the target's tokens)."""
+    if target.get_vocab() != draft.get_vocab():
+        a, b = target.get_vocab(), draft.get_vocab()
+        diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:3]
+        raise ValueError(
+            f"{what}: the draft model's tokenizer differs from the target's ({len(b)} vs {len(a)} "
+            f"tokens; e.g. {diff}); a draft must share the target's tokenizer"
+        )
+    special_a = dict(zip(target.all_special_tokens, target.all_special_ids, strict=True))
+    special_b = dict(zip(draft.all_special_tokens, draft.all_special_ids, strict=True))
+    if special_a != special_b:
+        raise ValueError(
+            f"{what}: the draft model's special tokens {special_b} differ from the target's {special_a}"
+        )
+
+
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str | os.PathLike[str]) -> tuple[int, ...]:
     """End-of-sequence ids: generation_config.json's ``eos_token_id`` (int or list), then the tokenizer's;
     for a ``.gguf`` model, the file's end-of-generation tokens (see ``gguf_eos_token_ids``)."""

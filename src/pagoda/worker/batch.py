@@ -8,6 +8,7 @@ drafts, seeds) stays with the runner on rank 0.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,48 @@ class ForwardBatch:
     block_size: int
     logits_rows: torch.Tensor  # [N] int64
     block_copies: list[tuple[int, int]]  # (src, dst) KV block copies, before the forward pass
+
+    @classmethod
+    def build(
+        cls,
+        chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+        block_size: int,
+        logits_rows: Sequence[int],
+        block_copies: list[tuple[int, int]],
+    ) -> ForwardBatch:
+        """chunks: per sequence, fewest new tokens first, (its new token ids, the position of the
+        first, its block table). `logits_rows` are flat rows of the new tokens."""
+        bs = block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        query_start = [0]
+        for ids, start, _ in chunks:
+            input_ids.extend(ids)
+            positions.extend(range(start, start + len(ids)))
+            seq_lens.append(start + len(ids))
+            query_start.append(query_start[-1] + len(ids))
+        num_decodes = sum(len(ids) == 1 for ids, _, _ in chunks)  # sorted: decodes come first
+        max_blocks = max(-(-sl // bs) for sl in seq_lens)
+        tables = [list(b[:max_blocks]) + [0] * (max_blocks - len(b)) for _, _, b in chunks]
+        pos = torch.tensor(positions, dtype=torch.int64)
+        block_tables = torch.tensor(tables, dtype=torch.int32)
+        row = torch.repeat_interleave(
+            torch.arange(len(chunks)), torch.tensor([len(ids) for ids, _, _ in chunks])
+        )
+        slot_mapping = block_tables[row, pos // bs].long() * bs + pos % bs
+        return cls(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=pos,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start,
+            num_decodes=num_decodes,
+            block_size=bs,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
+            block_copies=block_copies,
+        )
 
     def attention_metadata(self, device: torch.device) -> AttentionMetadata:
         return AttentionMetadata(

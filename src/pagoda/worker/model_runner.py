@@ -72,7 +72,9 @@ class ModelRunner:
             end = ends[req.request_id]
             drafts = req.token_ids[req.num_tokens - k :] if k else []
             if k:
-                spans.append(DraftSpan(len(rows), tuple(drafts), req.generator))
+                # q of a draft model's random drafts: verified by rejection sampling.
+                q = req.draft_probs
+                spans.append(DraftSpan(len(rows), tuple(drafts), req.generator, q))
             hidden_rows.extend(range(end - k - 1, end))
             history = req.output_token_ids  # verified tokens only
             for i in range(k + 1):
@@ -92,7 +94,7 @@ class ModelRunner:
         prompt_rows = [row + i for _, _, row, count in scored for i in range(count)]
         num_sampling = len(hidden_rows)
         hidden_rows.extend(prompt_rows[:_PROMPT_LOGPROB_ROWS])
-        logits = self.executor.execute(self._prepare(batch, query_start, hidden_rows, out.block_copies))
+        logits = self.executor.execute(self._prepare(batch, hidden_rows, out.block_copies))
         output = ModelOutput()
         if logits is None:
             return output
@@ -165,39 +167,11 @@ class ModelRunner:
     def _prepare(
         self,
         batch: list[ScheduledRequest],
-        query_start: list[int],
         logits_rows: list[int],
         block_copies: list[tuple[int, int]],
     ) -> ForwardBatch:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        seq_lens: list[int] = []
+        chunks = []
         for s in batch:
-            req, n = s.request, s.num_new_tokens
-            start = req.num_computed_tokens
-            input_ids.extend(req.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            seq_lens.append(start + n)
-        num_decodes = sum(s.num_new_tokens == 1 for s in batch)  # sorted: decodes come first
-        max_blocks = max(-(-sl // bs) for sl in seq_lens)
-        tables = [s.block_ids[:max_blocks] + [0] * (max_blocks - len(s.block_ids)) for s in batch]
-
-        pos = torch.tensor(positions, dtype=torch.int64)
-        block_tables = torch.tensor(tables, dtype=torch.int32)
-        row = torch.repeat_interleave(
-            torch.arange(len(batch)), torch.tensor([s.num_new_tokens for s in batch])
-        )
-        slot_mapping = block_tables[row, pos // bs].long() * bs + pos % bs
-        return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=pos,
-            slot_mapping=slot_mapping,
-            block_tables=block_tables,
-            seq_lens=seq_lens,
-            query_start_loc=query_start,
-            num_decodes=num_decodes,
-            block_size=bs,
-            logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
-            block_copies=block_copies,
-        )
+            start = s.request.num_computed_tokens
+            chunks.append((s.request.token_ids[start : start + s.num_new_tokens], start, s.block_ids))
+        return ForwardBatch.build(chunks, self.block_size, logits_rows, block_copies)
