@@ -19,9 +19,7 @@ import torch
 import transformers
 
 import pagoda.sample.sampler as sampler_module
-from conftest import TINY_DIMS, TINY_VARIANTS
 from pagoda import LLM, SamplingParams
-from pagoda.models.synthetic import build_random_model
 from pagoda.sample.rejection import RejectionRows, prepare_residual
 
 ALPHA = 1e-4
@@ -70,19 +68,15 @@ def drafts(tmp_path_factory, tiny_llama_dir) -> dict[str, str]:
             weight.add_(torch.randn(weight.shape, generator=g) * weight.std() * 0.1)
     model.save_pretrained(root / "noisy")
     transformers.AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(root / "noisy")
-    tie, _, extra = TINY_VARIANTS["LlamaForCausalLM"]
-    unrelated = build_random_model(
-        root / "unrelated",
-        "LlamaForCausalLM",
-        **{**TINY_DIMS, "num_layers": 1},
-        tie_word_embeddings=tie,
-        dtype=torch.float32,
-        seed=23,
-        initializer_range=0.1,
-        max_position_embeddings=512,
-        **extra,
-    )
-    return {"noisy": str(root / "noisy"), "unrelated": unrelated}
+    # The target's own config with one layer, fresh random weights.
+    config = transformers.AutoConfig.from_pretrained(tiny_llama_dir)
+    config.num_hidden_layers = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(23)
+        other = transformers.LlamaForCausalLM(config)
+    other.save_pretrained(root / "unrelated")
+    transformers.AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(root / "unrelated")
+    return {"noisy": str(root / "noisy"), "unrelated": str(root / "unrelated")}
 
 
 @pytest.fixture
