@@ -339,3 +339,47 @@ def test_serve_flag_and_the_draft_pool(tiny_llama_dir, small_drafts):
     draft = llm.engine.core.drafter.draft_model
     assert draft.worker.kv_caches[0].shape == llm.engine.core.executor.worker.kv_caches[0].shape
     assert len(draft.worker.kv_caches) == 1  # the draft's layers
+
+
+def test_a_full_draft_pool_drafts_less_and_stays_exact(tiny_model_dirs):
+    """When the draft's pool cannot hold a request's tokens, that request gets no draft-model
+    drafts for the step (its draft KV is released), and outputs stay the same."""
+    from pagoda.cache.kv_manager import KVCacheManager
+
+    path = tiny_model_dirs["LlamaForCausalLM"]
+    off, _ = _run(path, None, _prompts(4), GREEDY, block_size=4)
+    llm = LLM(path, dtype="float32", num_kv_blocks=512, block_size=4, speculative_config=_draft_config(path))
+    draft = llm.engine.core.drafter.draft_model
+    draft.kv = KVCacheManager(12, 4)  # room for 48 draft tokens: not all four requests at once
+    outs = llm.generate(_prompts(4), GREEDY, use_tqdm=False)
+    assert [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs] == off
+    stats = llm.engine.stats()
+    assert 0 < stats.spec_num_draft_tokens == stats.spec_num_accepted_tokens
+    assert draft.num_pool_full > 0
+    assert draft.num_records == 0 and draft.kv.usage == 0.0
+    draft.check([])
+
+
+def test_catch_up_is_chunked_and_every_request_gets_its_drafts(tiny_model_dirs):
+    """Draft passes of at most `max_tokens` tokens: four prompts prefilled in one target step catch
+    up together over several passes, and each request still gets its K drafts that step."""
+    path = tiny_model_dirs["LlamaForCausalLM"]
+    llm = LLM(path, dtype="float32", num_kv_blocks=512, speculative_config=_draft_config(path))
+    engine, core = llm.engine, llm.engine.core
+    draft = core.drafter.draft_model
+    draft.max_tokens = 8  # as max_num_batched_tokens=8 would make it, with the target unchunked
+    params = SamplingParams(temperature=0, max_tokens=30)
+    for i in range(4):
+        engine.add_request(f"r{i}", [(7 * i + j) % 300 + 3 for j in range(30)], params)
+    drafted = 0
+    while engine.has_unfinished_requests():
+        passes = draft.num_forward_passes
+        engine.step()
+        for req in core.scheduler.running:
+            if req.max_tokens - req.num_output_tokens > 5:
+                assert req.num_draft_tokens == 4, req
+                drafted += 1
+        assert draft.num_forward_passes - passes <= 4 + 4 * 30 // 8 + 1
+    assert drafted > 0
+    stats = engine.stats()
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0

@@ -752,17 +752,19 @@ def _run_spec(args, model, tokenizer, n, input_len, output_len) -> list[RunResul
     for engine in engines.values():
         _warmup(engine)
     times: dict[str, list[float]] = {name: [] for name in engines}
+    cpu_times: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list[list[int]]] = {}
     counts: dict[str, tuple[int, int, int, int]] = {}
     for _ in range(SPEC_REPEATS):
         for name, engine in engines.items():
             before = engine.stats()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             ids = [engine.add_request(None, p, params) for p in prompts]
             done = {}
             while engine.has_unfinished_requests():
                 done.update({o.request_id: o for o in engine.step() if o.finished})
             times[name].append(time.perf_counter() - start)
+            cpu_times[name].append(time.process_time() - cpu_start)
             after = engine.stats()
             outputs[name] = [done[i].outputs[0].token_ids for i in ids]
             counts[name] = (
@@ -783,6 +785,9 @@ def _run_spec(args, model, tokenizer, n, input_len, output_len) -> list[RunResul
         f"forward passes (summed over sequences): {steps_on} on, {steps_off} off "
         f"({1 - steps_on / max(steps_off, 1):.1%} saved)"
     )
+    cpu_on, cpu_off = (statistics.median(cpu_times[name]) for name in engines)
+    # With --threads 1 the process CPU time is the work done, whatever else runs on the machine.
+    print(f"process CPU time (median): {cpu_on:.2f} s on, {cpu_off:.2f} s off ({cpu_off / cpu_on:.2f}x)")
     draft = engines["spec on"].core.drafter.draft_model
     if draft is not None:
         print(f"draft model forward passes: {draft.num_forward_passes} (all runs)")

@@ -74,7 +74,7 @@ class _DraftSeq:
         return len(self.token_ids) - 1
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity
 class _Run:
     """A sequence in this step's passes."""
 
@@ -103,6 +103,7 @@ class DraftModelProposer:
         self.generator = torch.Generator(device=model.device).manual_seed(model.seed)
         self._seqs: dict[str, _DraftSeq] = {}
         self.num_forward_passes = 0
+        self.num_pool_full = 0  # times a request got fewer drafts because the draft pool was full
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -131,6 +132,7 @@ class DraftModelProposer:
             seq = _DraftSeq(req.request_id, tokens, req.cache_salt, verified)
             alloc = self.kv.allocate_first(seq, 0)  # the draft's prefix cache first
             if alloc is None:
+                self.num_pool_full += 1
                 return None
             seq.num_computed_tokens = alloc.num_computed
             self._seqs[req.request_id] = seq
@@ -157,12 +159,14 @@ class DraftModelProposer:
         decoding = [r for r in active if r.seq.num_tokens - r.seq.num_computed_tokens == 1]
         budget = max(self.max_tokens - len(decoding), 1)
         chunks: list[tuple[_Run, int]] = []
+        later: list[_Run] = []  # catching up, but the pass is full: the next one
         for r in decoding + [r for r in active if r not in decoding]:
             seq = r.seq
             n = seq.num_tokens - seq.num_computed_tokens
             if r not in decoding:
                 n = min(n, budget)
                 if n <= 0:
+                    later.append(r)
                     continue
                 budget -= n
             if not self.kv.allocate_more(seq, n):
@@ -170,7 +174,7 @@ class DraftModelProposer:
                 continue
             chunks.append((r, n))
         if not chunks:
-            return []  # every one gave up
+            return later  # every one gave up (then nothing waits: the budget was not spent)
         chunks.sort(key=lambda c: c[1])
         parts, rows, sampling = [], [], []
         flat = 0
@@ -187,7 +191,7 @@ class DraftModelProposer:
         self.num_forward_passes += 1
         for r, n in chunks:
             r.seq.num_computed_tokens += n
-        still = [r for r, _ in chunks if r not in sampling]
+        still = later + [r for r, _ in chunks if r not in sampling]
         for i, r in enumerate(sampling):
             token = self._pick(r, logits[i])
             if token is None:
@@ -230,6 +234,7 @@ class DraftModelProposer:
         return token
 
     def _give_up(self, r: _Run) -> None:
+        self.num_pool_full += 1
         r.item.want = len(r.drafts)
         self.release([r.seq.request_id])
 
