@@ -144,3 +144,42 @@ def test_errors_name_the_field(base, model, path, extra, param):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param, json.dumps(error)
+
+
+def test_completions_return_token_ids(base, model):
+    """vLLM's return_token_ids: each choice carries its prompt's token ids and its output's; in a
+    stream the prompt's come with the choice's first chunk, each chunk with its new tokens."""
+    prompts = ["the river", "a stone light"]
+    body = {"model": model, "prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = _post(base, "/v1/completions", body).json()["choices"]
+    assert all(c["prompt_token_ids"] is None and c["token_ids"] is None for c in plain)
+    choices = _post(base, "/v1/completions", {**body, "return_token_ids": True}).json()["choices"]
+    outputs = {}
+    for c in choices:
+        assert c["prompt_token_ids"] == _tokens(base, model, prompt=prompts[c["index"]])
+        assert len(c["token_ids"]) == 3
+        outputs[c["index"]] = c["token_ids"]
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    firsts: dict[int, list[int]] = {}
+    with httpx.stream(
+        "POST",
+        base + "/v1/completions",
+        json={**body, "return_token_ids": True, "stream": True},
+        timeout=TIMEOUT,
+    ) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                if c["prompt_token_ids"] is not None:
+                    assert c["index"] not in firsts  # only in the choice's first chunk
+                    firsts[c["index"]] = c["prompt_token_ids"]
+                streamed[c["index"]] += c["token_ids"]
+    assert firsts == {c["index"]: c["prompt_token_ids"] for c in choices}
+    assert streamed == outputs
+    # echo with max_tokens 0: the prompt's ids, no output ids
+    echo = {"model": model, "prompt": prompts[0], "max_tokens": 0, "echo": True, "return_token_ids": True}
+    (c,) = _post(base, "/v1/completions", echo).json()["choices"]
+    assert c["prompt_token_ids"] == _tokens(base, model, prompt=prompts[0]) and c["token_ids"] == []
+    bad = _post(base, "/v1/completions", {**body, "return_token_ids": "yes"})
+    assert bad.status_code == 400 and "return_token_ids" in bad.text

@@ -27,7 +27,11 @@ def test_bench_lang_select_runs_and_agrees(lang_server, tmp_path) -> None:
     data = json.loads(result.read_text())
     assert data["notes"]["select"] == {"same_answers": True}
     variants = {r["variant"]: r for r in data["results"]}
-    assert set(variants) == {"requests", "requests start", "lang", "lang gen 1"}
+    assert set(variants) == {"openai", "requests", "requests start", "lang", "lang gen 1"}
+    # The plain-API program scores whole prompts (echo + logprobs): nothing is a cache hit.
+    assert variants["openai"]["median_computed_tokens"] == variants["requests"]["median_computed_tokens"]
+    assert variants["lang"]["speedup_vs_openai"] > 0
+    assert data["notes"]["lang_speedup_vs_openai"]["select"] > 0
     # Scored from the first token, the independent requests compute every prompt whole; with a
     # start position, and in the language, the shared prompt is a cache hit.
     assert (

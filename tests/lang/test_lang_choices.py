@@ -7,7 +7,7 @@ import math
 import pytest
 
 import pagoda.lang as pl
-from pagoda.lang.select import choice_spans
+from pagoda.lang.backend.base import choice_spans
 
 from .lang_fakes import FakeBackend
 

@@ -136,3 +136,28 @@ def test_select_plumbing_with_transformers_as_the_scorer(engine_backend, referen
     _check_against_reference(engine_backend, reference)
     assert engine_backend.usage.num_requests - before.num_requests == 0
     assert calls == [4, 4, 4, 4]  # all choices in one call; the unconditional pass in a second
+
+
+def test_select_over_http_tokenizes_the_prompt_only(http_backend, engine_backend) -> None:
+    """Over HTTP, select sends one /tokenize (the prompt) and one scoring request with the choices
+    as texts (their token ids come back with the scores), not one /tokenize per choice; the
+    decision and scores equal the in-process backend's."""
+
+    @pl.function
+    def pick(s):
+        s += "Question: is the river water?\nAnswer:" + pl.select("v", choices=CHOICES)
+
+    pick.run(backend=http_backend)  # the first select also asks which fields the server has
+    paths: list[str] = []
+    hooks = http_backend._client.event_hooks
+    hooks["request"].append(lambda request: paths.append(request.url.path))
+    try:
+        state = pick.run(backend=http_backend)
+    finally:
+        hooks["request"].pop()
+    assert paths == ["/tokenize", "/v1/completions"]
+    local = pick.run(backend=engine_backend)
+    assert state["v"] == local["v"]
+    assert state.get_meta_info("v")["normalized_prompt_logprobs"] == pytest.approx(
+        local.get_meta_info("v")["normalized_prompt_logprobs"], abs=1e-5
+    )

@@ -15,21 +15,6 @@ from pagoda.lang.backend.base import Backend
 from pagoda.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob
 
 
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def choice_spans(prompt_ids: list[int], full_ids: list[list[int]]) -> list[int]:
-    """Where each choice's scored tokens start in its prompt+choice tokens: after the tokens it
-    shares with the prompt, but never at 0 (the first token has no logprob) and never past its
-    last token (every choice scores at least one token)."""
-    return [max(1, min(common_prefix_len(prompt_ids, ids), len(ids) - 1)) for ids in full_ids]
-
-
 def _same_context_same_value(
     prompts: list[list[int]], starts: list[int], scored: list[list[float]]
 ) -> list[list[float]]:
@@ -46,11 +31,8 @@ def _same_context_same_value(
 def select(
     backend: Backend, prompt: str, choices: list[str], method: ChoicesSamplingMethod
 ) -> ChoicesDecision:
-    backend.check_prompt_logprobs()
-    prompt_ids = backend.tokenize(prompt)
-    full = [backend.tokenize(prompt + choice) for choice in choices]
-    starts = choice_spans(prompt_ids, full)
-    scored = _same_context_same_value(full, starts, backend.prompt_logprobs(full, starts))
+    full, starts, logprobs = backend.score_choices(prompt, choices)
+    scored = _same_context_same_value(full, starts, logprobs)
     input_token_logprobs: list[list[TokenLogprob]] = [
         [(lp, ids[start + j], None) for j, lp in enumerate(lps)]
         for ids, start, lps in zip(full, starts, scored, strict=True)

@@ -55,12 +55,31 @@ def gather_logprobs(
     )
 
 
+# Rows per slice of the target-only prompt-logprob path (its float32 copy stays in cache).
+_TARGET_ONLY_ROWS = 32
+
+
 def prompt_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, num_logprobs: tuple[int, ...]
 ) -> list[dict[int, Logprob]]:
     """logits: [L, V] at the positions before L prompt tokens; targets: [L] those tokens. For
     each row, the target's logprob (with its rank) then its top-k (vLLM's prompt_logprobs)."""
+    if not any(num_logprobs):
+        return _target_logprobs(logits, targets)
     raw = torch.log_softmax(logits.float(), dim=-1)
     rows = torch.arange(len(targets), device=logits.device)
     entries = gather_logprobs(raw, targets, rows, num_logprobs).to_dicts()
     return [entries[i] for i in range(len(targets))]
+
+
+def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> list[dict[int, Logprob]]:
+    """The targets' logprobs and ranks alone (prompt_logprobs 0, as select asks): the logit less
+    the row's log-sum-exp, a few rows at a time, instead of a whole [L, V] log_softmax."""
+    values: list[float] = []
+    ranks: list[int] = []
+    for start in range(0, len(targets), _TARGET_ONLY_ROWS):
+        x = logits[start : start + _TARGET_ONLY_ROWS].float()
+        target = x.gather(1, targets[start : start + _TARGET_ONLY_ROWS, None])
+        values += (target - torch.logsumexp(x, dim=-1, keepdim=True))[:, 0].tolist()
+        ranks += ((x > target).sum(dim=-1) + 1).tolist()
+    return [{t: Logprob(v, rank=r)} for t, v, r in zip(targets.tolist(), values, ranks, strict=True)]

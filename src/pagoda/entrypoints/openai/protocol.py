@@ -242,6 +242,9 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's: each choice also carries its prompt's token ids and its output's (in a stream: the
+    # prompt's in the choice's first chunk, each chunk's new tokens).
+    return_token_ids: bool | None = None
 
     def max_tokens_requested(self) -> int | None:
         return self.max_tokens
@@ -584,6 +587,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobsOut | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):

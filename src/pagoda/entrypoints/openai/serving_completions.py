@@ -46,6 +46,7 @@ class _Choice:
     echo: str | None  # None once sent
     offset: int = 0
     num_tokens: int = 0
+    ids_sent: bool = False  # return_token_ids: the prompt's token ids went out
 
 
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
@@ -111,6 +112,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs),
+                    prompt_token_ids=prompt_ids[p] if body.return_token_ids else None,
+                    token_ids=list(c.token_ids) if body.return_token_ids else None,
                 )
             )
     choices.sort(key=lambda c: c.index)
@@ -139,6 +142,7 @@ async def _stream(
     # The prompt's logprobs come with its first output; every sample's echo needs them.
     prompt_lps: dict[int, list] = {}
     counts = PredictionCounts()
+    ids = bool(body.return_token_ids)
     try:
         async for out in checked(stream):
             cached[out.request_id] = out.num_cached_tokens
@@ -177,9 +181,12 @@ async def _stream(
                             logprobs=logprobs,
                             finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason,
+                            prompt_token_ids=prompt_ids[p] if ids and not state_c.ids_sent else None,
+                            token_ids=list(c.token_ids) if ids else None,
                         )
                     ],
                 )
+                state_c.ids_sent = True
                 if continuous:
                     num_completion = sum(ch.num_tokens for ch in choices.values())
                     chunk.usage = make_usage(

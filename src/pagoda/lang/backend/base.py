@@ -74,6 +74,21 @@ class Usage:
         return self.prompt_tokens - self.cached_tokens
 
 
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def choice_spans(prompt_ids: list[int], full_ids: list[list[int]]) -> list[int]:
+    """Where each choice's scored tokens start in its prompt+choice tokens: after the tokens it
+    shares with the prompt, but never at 0 (the first token has no logprob) and never past its
+    last token (every choice scores at least one token)."""
+    return [max(1, min(common_prefix_len(prompt_ids, ids), len(ids) - 1)) for ids in full_ids]
+
+
 class Backend(ABC):
     """The engine side of the interpreter. Subclasses implement the transport."""
 
@@ -105,6 +120,18 @@ class Backend(ABC):
         """One batched request: for each prompt, the logprob of each of its tokens from position
         `start` on, given the tokens before it. Raises BackendCapabilityError when the engine
         cannot return prompt logprobs."""
+
+    def score_choices(
+        self, prompt: str, choices: list[str]
+    ) -> tuple[list[list[int]], list[int], list[list[float]]]:
+        """select's scoring, in one batched request: for each choice, the token ids of prompt +
+        choice, where the choice's own tokens start in them (`choice_spans`), and those tokens'
+        logprobs. Raises BackendCapabilityError when the engine cannot return prompt logprobs."""
+        self.check_prompt_logprobs()
+        prompt_ids = self.tokenize(prompt)
+        full = [self.tokenize(prompt + choice) for choice in choices]
+        starts = choice_spans(prompt_ids, full)
+        return full, starts, self.prompt_logprobs(full, starts)
 
     @abstractmethod
     def supports_prompt_logprobs(self) -> bool:

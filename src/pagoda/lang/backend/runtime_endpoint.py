@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from pagoda import SamplingParams
-from pagoda.lang.backend.base import Backend, GenOutput
+from pagoda.lang.backend.base import Backend, GenOutput, choice_spans
 from pagoda.lang.choices import TokenLogprob
 from pagoda.lang.errors import BackendRequestError
 
@@ -164,6 +164,43 @@ class RuntimeEndpoint(Backend):
         )
         return result
 
+    def score_choices(
+        self, prompt: str, choices: list[str]
+    ) -> tuple[list[list[int]], list[int], list[list[float]]]:
+        """One /tokenize of the prompt, then the choices as texts in one scoring request that
+        returns their token ids (vLLM's return_token_ids) and scores from the prompt's last
+        token on (so a choice merging with that token is covered, and every prompt + choice is
+        longer than the start): two round trips, where tokenizing every prompt + choice first
+        takes one per choice more. A choice that re-tokenizes more of the prompt's end is scored
+        again from its true start (exact, one more request)."""
+        self.check_prompt_logprobs()
+        if not (self._feature("logprob_start_len") and self._feature("return_token_ids", True)):
+            return super().score_choices(prompt, choices)
+        prompt_ids = self.tokenize(prompt)
+        first = max(1, len(prompt_ids) - 1)
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": [prompt + choice for choice in choices],
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+            "logprob_start_len": first,
+            "return_token_ids": True,
+        }
+        data = self._request("POST", "/v1/completions", body)
+        out = sorted(data["choices"], key=lambda c: c["index"])
+        full = [c["prompt_token_ids"] for c in out]
+        starts = choice_spans(prompt_ids, full)
+        if min(starts) < first:  # a choice re-tokenized the prompt's end: score from there
+            return full, starts, self.prompt_logprobs(full, starts)
+        usage = data["usage"]
+        self._count(usage["prompt_tokens"], _cached(usage), usage["completion_tokens"], requests=len(full))
+        logprobs = [
+            [_entry_logprob(c["prompt_logprobs"][i], ids[i]) for i in range(start, len(ids))]
+            for c, ids, start in zip(out, full, starts, strict=True)
+        ]
+        return full, starts, logprobs
+
     def flush_cache(self) -> None:
         self._request("POST", "/reset_prefix_cache")
 
@@ -230,13 +267,14 @@ class RuntimeEndpoint(Backend):
             top_logprobs=top,
         )
 
-    def _feature(self, field: str) -> bool:
-        """Whether /v1/completions accepts `field` (asked once with a one-token request)."""
+    def _feature(self, field: str, value: Any = 0) -> bool:
+        """Whether /v1/completions accepts `field` (asked once with a one-token request that sends
+        it as `value`)."""
         with self._features_lock:
             known = self._features.get(field)
         if known is not None:
             return known
-        probe = {"model": self.model, "prompt": self.tokenize("a")[-1:], "max_tokens": 1, field: 0}
+        probe = {"model": self.model, "prompt": self.tokenize("a")[-1:], "max_tokens": 1, field: value}
         if field != "prompt_logprobs":
             probe["prompt_logprobs"] = 0
         response = self._send("POST", "/v1/completions", probe)
