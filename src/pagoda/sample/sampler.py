@@ -41,8 +41,8 @@ class DraftSpan:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None  # None when no row asked for logprobs
-    # Per DraftSpan: how many of its drafts the samples confirmed (the sample at the first row that
-    # disagrees, or at the last row, is the request's next token).
+    # Per DraftSpan: how many of its drafts were kept (by exact match, or by rejection sampling for
+    # a span with draft_probs); row first_row + num_accepted holds the request's next token.
     num_accepted: tuple[int, ...] = ()
 
 
