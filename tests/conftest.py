@@ -1,49 +1,20 @@
-"""Shared fixtures: tiny random checkpoints of every supported architecture, and a hand-rolled
-paged-KV harness that builds `AttentionMetadata` the way a model runner would."""
+"""Shared fixtures: tiny random checkpoints of every supported architecture, the paged-KV harness
+(tests/tiny_models.py, which test modules import by that name) and real `pagoda serve` servers."""
 
 from __future__ import annotations
 
 import os
-import random
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from kernel_variants import variant_params
-from pagoda.attention.metadata import AttentionMetadata
 from pagoda.kernels import build
+from tiny_models import TINY_DIMS, TINY_VARIANTS, PagedKVHarness
 
 # Every engine the tests start (here and in server subprocesses) checks the KV block accounting
 # after every step, not only when it goes idle.
 os.environ.setdefault("PAGODA_CHECK_INVARIANTS", "1")
-
-TINY_DIMS = dict(
-    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=384
-)
-
-# Per architecture: (tie_word_embeddings, shards, extra HF config). Between them they cover tied
-# and untied heads, llama3 rope scaling, an explicit head_dim and a sharded checkpoint.
-TINY_VARIANTS: dict[str, tuple[bool, int, dict]] = {
-    "LlamaForCausalLM": (
-        True,
-        2,
-        {
-            "rope_parameters": {
-                "rope_type": "llama3",
-                "rope_theta": 10000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32,
-            },
-        },
-    ),
-    "MistralForCausalLM": (False, 1, {"sliding_window": None}),
-    "Qwen2ForCausalLM": (False, 1, {}),
-    "Qwen3ForCausalLM": (True, 1, {"head_dim": 32}),
-}
 
 
 @pytest.fixture(scope="session")
@@ -80,60 +51,6 @@ def variant(request: pytest.FixtureRequest):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_dirs: dict[str, str]) -> str:
     return tiny_model_dirs["LlamaForCausalLM"]
-
-
-@dataclass
-class PagedStep:
-    positions: torch.Tensor
-    metadata: AttentionMetadata
-
-
-class PagedKVHarness:
-    """Owns a block allocator handing out blocks in shuffled order, and each sequence's block list.
-
-    `step([(seq_id, n_new), ...])` appends `n_new` tokens to each sequence (in the given order, which
-    must put decodes first) and returns their positions and the `AttentionMetadata` for the batch.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, seed: int = 0, device: str = "cpu") -> None:
-        self.block_size = block_size
-        self.device = device
-        self.free_blocks = list(range(num_blocks))
-        random.Random(seed).shuffle(self.free_blocks)
-        self.blocks: dict[object, list[int]] = {}
-        self.lens: dict[object, int] = {}
-
-    def step(self, batch: Sequence[tuple[object, int]], num_decodes: int | None = None) -> PagedStep:
-        if num_decodes is None:
-            num_decodes = 0
-            while num_decodes < len(batch) and batch[num_decodes][1] == 1:
-                num_decodes += 1
-        positions, slots, seq_lens, starts = [], [], [], [0]
-        for seq_id, num_new in batch:
-            start = self.lens.get(seq_id, 0)
-            end = start + num_new
-            blocks = self.blocks.setdefault(seq_id, [])
-            while len(blocks) * self.block_size < end:
-                blocks.append(self.free_blocks.pop())
-            for pos in range(start, end):
-                positions.append(pos)
-                slots.append(blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
-            self.lens[seq_id] = end
-            seq_lens.append(end)
-            starts.append(starts[-1] + num_new)
-        width = max(len(self.blocks[seq_id]) for seq_id, _ in batch)
-        tables = [self.blocks[seq_id] + [0] * (width - len(self.blocks[seq_id])) for seq_id, _ in batch]
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
-            num_decodes=num_decodes,
-            seq_lens_cpu=seq_lens,
-            query_start_loc_cpu=starts,
-            block_size=self.block_size,
-        )
-        return PagedStep(torch.tensor(positions, dtype=torch.int64, device=self.device), metadata)
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from conftest import TINY_DIMS, TINY_VARIANTS
 from distributed.tp_ranks import FORCED, PROMPTS, all_scenarios, fail_on_rank_one
 from pagoda.distributed import (
     SINGLE,
@@ -34,6 +33,7 @@ from pagoda.models.hf_config import parse_hf_config, read_hf_config
 from pagoda.models.synthetic import build_random_model
 from pagoda.quant.formats import GGMLType
 from pagoda.quant.tensor import GGMLTensor
+from tiny_models import TINY_DIMS, TINY_VARIANTS
 
 # The four tiny architectures, a Llama with o_proj and MLP biases (row-parallel biases) and a
 # Qwen2 whose vocabulary does not divide by the sizes (uneven vocab shards, padded gather).

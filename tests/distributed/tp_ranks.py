@@ -6,13 +6,13 @@ import os
 
 import torch
 
-from conftest import PagedKVHarness
 from pagoda.distributed import ParallelGroup
 from pagoda.kernels import cpu_gemm, cpu_quant
 from pagoda.layers.linear import LinearBase
 from pagoda.models import load_model
 from pagoda.models.weight_report import weight_report
 from pagoda.quant.linear import QuantLinear
+from tiny_models import PagedKVHarness
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 4

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_DIMS
 from pagoda.entrypoints.llm import LLM
 from pagoda.models.decoder import DecoderModel
 from pagoda.models.synthetic import build_random_model
 from pagoda.sampling_params import SamplingParams
+from tiny_models import TINY_DIMS
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 2, 8] * 9, [11]]
 

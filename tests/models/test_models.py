@@ -12,13 +12,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from conftest import TINY_DIMS, TINY_VARIANTS
 from pagoda.kernels import build, cpu_gemm
 from pagoda.kernels.precision import FP32_MIN_ROWS, cpu_lacks_full_rate_bf16, upcast_to_fp32
 from pagoda.layers import Linear, PackedLinear
 from pagoda.layers.rotary import RopeConfig
 from pagoda.models import CausalLM, load_model, parse_hf_config, supported_architectures
 from pagoda.models.synthetic import build_random_model
+from tiny_models import TINY_DIMS, TINY_VARIANTS
 
 ARCHS = list(TINY_VARIANTS)
 ATOL = 1e-4
