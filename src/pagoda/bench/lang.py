@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pagoda.cli_args import add_arguments, arg
-from pagoda.http_keepalive import CLIENT_KEEP_ALIVE_S
 
 WORKLOADS = ("few-shot", "select", "tree-of-thought")
 WORDS = tuple(
@@ -172,9 +171,7 @@ class Server:
             base_url=base_url.rstrip("/"),
             headers=headers,
             timeout=httpx.Timeout(3600.0, pool=None),
-            limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=512, keepalive_expiry=CLIENT_KEEP_ALIVE_S
-            ),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
         )
         self.model = self.client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
 

@@ -32,7 +32,6 @@ from pagoda.bench.metrics import (
     summarize,
     timeline_metrics,
 )
-from pagoda.http_keepalive import CLIENT_KEEP_ALIVE_S
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 _MAX_ERROR_CHARS = 300
@@ -349,9 +348,7 @@ async def run_benchmark_async(
     headers = _headers(config.api_key)
     outcomes: dict[int, tuple[float, _Outcome, dict]] = {}  # index -> (scheduled time, outcome, payload)
     limits = httpx.Limits(
-        max_connections=config.max_concurrency,
-        max_keepalive_connections=config.max_concurrency,
-        keepalive_expiry=CLIENT_KEEP_ALIVE_S,
+        max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency
     )
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     progress = tqdm(total=len(requests), disable=not config.show_progress, desc="requests", unit="req")

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pagoda.cli_args import add_arguments, arg, values_from
-from pagoda.http_keepalive import CLIENT_KEEP_ALIVE_S
 
 KINDS = {  # kind -> weight in the mix
     "abort_before_response": 2,
@@ -136,7 +135,7 @@ async def run_soak(config: SoakConfig) -> SoakResult:
 
     result = SoakResult(config={k: v for k, v in asdict(config).items() if k != "api_key"})
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    limits = httpx.Limits(max_connections=config.concurrency * 2, keepalive_expiry=CLIENT_KEEP_ALIVE_S)
+    limits = httpx.Limits(max_connections=config.concurrency * 2)
     async with httpx.AsyncClient(
         base_url=config.base_url.rstrip("/"),
         headers=headers,

@@ -16,7 +16,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.http_body import BodySizeLimit
-from pagoda.http_keepalive import CLIENT_KEEP_ALIVE_S, SERVER_KEEP_ALIVE_S
 from pagoda.router.backends import Backend, BackendPool
 from pagoda.router.config import RouterConfig
 from pagoda.router.errors import error_response
@@ -68,9 +67,7 @@ class RouterState:
                 write=c.read_timeout_s,
                 pool=c.connect_timeout_s,
             ),
-            limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=256, keepalive_expiry=CLIENT_KEEP_ALIVE_S
-            ),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             trust_env=False,  # never send backend traffic through an environment-configured proxy
         )
 
@@ -196,5 +193,4 @@ def run_router(config: RouterConfig, log_level: str = "info") -> None:
         port=config.port,
         log_level=log_level,
         access_log=False,  # the router logs each request with its x-request-id itself
-        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
     )

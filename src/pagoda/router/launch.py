@@ -20,8 +20,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pagoda.http_keepalive import SERVER_KEEP_ALIVE_S
-
 logger = logging.getLogger("pagoda.router.launch")
 
 _POLL_S = 0.25  # how often replicas are polled for readiness and for unexpected exits
@@ -140,12 +138,7 @@ async def _serve_router(config: Any, replicas: _Replicas, log_level: str) -> boo
 
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(config),
-            host=config.host,
-            port=config.port,
-            log_level=log_level,
-            access_log=False,
-            timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+            create_app(config), host=config.host, port=config.port, log_level=log_level, access_log=False
         )
     )
     replica_died = False

@@ -36,7 +36,6 @@ from pagoda.entrypoints.openai.serving_common import ServerState
 from pagoda.entrypoints.openai.serving_completions import create_completion
 from pagoda.entrypoints.server_args import ServerArgs
 from pagoda.http_body import BodySizeLimit
-from pagoda.http_keepalive import SERVER_KEEP_ALIVE_S
 from pagoda.limits import LimitError
 from pagoda.tokenizer.chat import chat_roles
 
@@ -207,7 +206,6 @@ def run_server(engine_args: EngineArgs, config: ServerArgs) -> int:
             log_level=config.log_level,
             timeout_graceful_shutdown=config.shutdown_timeout,
             access_log=False,
-            timeout_keep_alive=SERVER_KEEP_ALIVE_S,
         )
     )
     # uvicorn re-raises the signal that stopped it once it is done; the no-op handlers turn that into

@@ -18,7 +18,6 @@ from typing import Any
 import httpx
 
 from pagoda import SamplingParams
-from pagoda.http_keepalive import CLIENT_KEEP_ALIVE_S
 from pagoda.lang.backend.base import Backend, GenOutput, choice_spans
 from pagoda.lang.choices import TokenLogprob
 from pagoda.lang.errors import BackendRequestError
@@ -70,9 +69,7 @@ class RuntimeEndpoint(Backend):
             headers=headers,
             verify=verify,
             timeout=httpx.Timeout(timeout, connect=30.0, pool=None),
-            limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=128, keepalive_expiry=CLIENT_KEEP_ALIVE_S
-            ),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=128),
         )
         self._features: dict[str, bool] = {}
         self._features_lock = threading.Lock()
