@@ -91,3 +91,21 @@ class PagedKVHarness:
             block_size=self.block_size,
         )
         return PagedStep(torch.tensor(positions, dtype=torch.int64, device=self.device), metadata)
+
+
+def structured_batch_params() -> list:
+    """Speculation tests' structured-output batch: two greedy and two seeded requests constrained to
+    one JSON schema (grammar-forced drafts appear at its fixed keys)."""
+    from pagoda import SamplingParams
+    from pagoda.sampling_params import StructuredOutputs
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "tags": {"type": "array", "maxItems": 4}},
+        "required": ["name", "tags"],
+        "additionalProperties": False,
+    }
+    spec = StructuredOutputs(json=schema)
+    return [SamplingParams(temperature=0, max_tokens=120, structured_outputs=spec)] * 2 + [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured_outputs=spec) for i in range(2)
+    ]

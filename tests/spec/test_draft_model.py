@@ -18,7 +18,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineArgs
 from pagoda.models.synthetic import build_random_model
-from pagoda.sampling_params import StructuredOutputs
+from tiny_models import structured_batch_params
 
 ARCHS = ["LlamaForCausalLM", "Qwen2ForCausalLM"]
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
@@ -142,16 +142,7 @@ def test_stop_strings_and_max_tokens_inside_a_draft(tiny_model_dirs):
 
 
 def test_combined_with_structured_output(tiny_model_dirs, small_drafts):
-    schema = {
-        "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 8}, "tags": {"type": "array", "maxItems": 4}},
-        "required": ["name", "tags"],
-        "additionalProperties": False,
-    }
-    spec = StructuredOutputs(json=schema)
-    params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=spec)] * 2 + [
-        SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured_outputs=spec) for i in range(2)
-    ]
+    params = structured_batch_params()
     params += [SamplingParams(temperature=0, max_tokens=40)] * 2  # unconstrained in the same batch
     path = tiny_model_dirs["LlamaForCausalLM"]
     for draft in (path, small_drafts["LlamaForCausalLM"]):

@@ -12,8 +12,8 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.limits import LimitError, RequestLimits
-from pagoda.sampling_params import StructuredOutputs
 from pagoda.spec.prediction import MATCH_MIN, PREDICTION_NUM_DRAFTS, Prediction
+from tiny_models import structured_batch_params
 
 ARCH = "LlamaForCausalLM"
 
@@ -133,16 +133,7 @@ def test_stop_strings_and_max_tokens_inside_a_draft(tiny_model_dirs):
 
 def test_with_structured_output(tiny_model_dirs):
     """Grammar-forced drafts first, the prediction's (cut where the grammar rejects them) after."""
-    schema = {
-        "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 8}, "tags": {"type": "array", "maxItems": 4}},
-        "required": ["name", "tags"],
-        "additionalProperties": False,
-    }
-    spec = StructuredOutputs(json=schema)
-    params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=spec)] * 2 + [
-        SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured_outputs=spec) for i in range(2)
-    ]
+    params = structured_batch_params()
     params += [GREEDY]
     _, llm = _on_off(tiny_model_dirs[ARCH], _prompts(5), params, jump_forward_max_running=64)
     # Accepted drafts are counted per proposer: grammar-forced ones apart from the prediction's.

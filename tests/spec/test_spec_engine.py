@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.sampling_params import StructuredOutputs
+from tiny_models import structured_batch_params
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 ARCH = "LlamaForCausalLM"
@@ -88,16 +88,7 @@ def test_stop_strings_and_max_tokens_inside_a_draft(tiny_model_dirs):
 
 
 def test_combined_with_structured_output(tiny_model_dirs):
-    schema = {
-        "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 8}, "tags": {"type": "array", "maxItems": 4}},
-        "required": ["name", "tags"],
-        "additionalProperties": False,
-    }
-    spec = StructuredOutputs(json=schema)
-    params = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=spec)] * 2 + [
-        SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured_outputs=spec) for i in range(2)
-    ]
+    params = structured_batch_params()
     params += [SamplingParams(temperature=0, max_tokens=40)] * 2  # unconstrained in the same batch
     _on_off(tiny_model_dirs[ARCH], _prompts(), params, jump_forward_max_running=64)
 
