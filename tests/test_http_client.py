@@ -139,9 +139,10 @@ def test_failure_after_the_response_headers_is_not_resent() -> None:
         server.close()
 
 
-def test_a_server_that_never_answers_fails_after_the_resends() -> None:
-    """Resends are bounded: a server that closes every connection unanswered gets the request
-    1 + RETRIES times, then the caller gets the error."""
+def test_a_fresh_connection_closed_unanswered_is_not_resent() -> None:
+    """Only reused connections race with a keep-alive timeout: a server that closes a new
+    connection under the request is failing, and the caller (the router: another backend) hears
+    of it at once."""
     server = RacyServer(answered=0)
     try:
         with (
@@ -149,9 +150,28 @@ def test_a_server_that_never_answers_fails_after_the_resends() -> None:
             pytest.raises(httpx.RemoteProtocolError),
         ):
             client.get("/b")
-        assert server.requests["GET /b HTTP/1.1"] == 1 + http_client.RETRIES
+        assert server.requests["GET /b HTTP/1.1"] == 1
     finally:
         server.close()
+
+
+def test_resends_are_bounded_and_a_callers_trace_still_runs() -> None:
+    sent: list[str] = []
+    seen: list[str] = []
+
+    def stale_connection(request: httpx.Request) -> httpx.Response:
+        # What httpcore reports for a request sent on a pooled connection that the server closed.
+        request.extensions["trace"]("http11.send_request_headers.started", {})
+        sent.append(request.content.decode())
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+
+    transport = http_client.RetryTransport(httpx.MockTransport(stale_connection))
+    with httpx.Client(transport=transport) as client, pytest.raises(httpx.RemoteProtocolError):
+        client.post(
+            "http://test/x", content=b"body", extensions={"trace": lambda name, info: seen.append(name)}
+        )
+    assert sent == ["body"] * (1 + http_client.RETRIES)
+    assert seen == ["http11.send_request_headers.started"] * (1 + http_client.RETRIES)
 
 
 # ---- many concurrent requests against a real uvicorn server ------------------------------------------------

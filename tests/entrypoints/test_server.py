@@ -536,6 +536,46 @@ def test_abandoned_non_streaming_request_is_aborted(base: str) -> None:
     assert m.get(ABORTED, 0.0) == aborted + 2
 
 
+def test_many_connections_dropped_at_once_free_their_requests(base: str) -> None:
+    """64 clients, half streaming and half not, all drop their connections while their requests
+    run or wait: every request is aborted and every KV block comes back; the server keeps serving."""
+    n = 64
+    short = {**LONG, "max_tokens": 200}
+
+    async def drop_all() -> None:
+        async with httpx.AsyncClient(base_url=base, timeout=TIMEOUT) as c:
+
+            async def stream() -> None:
+                async with c.stream("POST", "/v1/completions", json={**short, "stream": True}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            await asyncio.sleep(3600)  # dropped mid-stream by the cancel below
+
+            tasks = [
+                asyncio.create_task(stream() if i % 2 else c.post("/v1/completions", json=short))
+                for i in range(n)
+            ]
+            deadline = time.monotonic() + TIMEOUT
+            while True:  # until every request is in the engine (running or waiting)
+                m = parse_metrics((await c.get("/metrics")).text)
+                if m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] == n:
+                    break
+                assert time.monotonic() < deadline and not any(t.done() for t in tasks), m
+                await asyncio.sleep(0.01)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    aborted = metrics(base).get(ABORTED, 0.0)
+    asyncio.run(drop_all())
+    m = wait_idle(base, timeout_s=TIMEOUT)
+    assert m.get(ABORTED, 0.0) == aborted + n
+    assert httpx.post(
+        base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=TIMEOUT
+    ).is_success
+
+
 def test_concurrent_streams_match_sequential_greedy(base: str, client: openai.OpenAI, model: str) -> None:
     prompts = [f"Request {i}: tell me about {i * 7 % 13} things" for i in range(64)]
     kw = {"model": model, "max_tokens": 10, **GREEDY}
