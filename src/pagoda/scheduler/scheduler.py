@@ -215,7 +215,6 @@ class Scheduler:
                 req.num_computed_tokens -= k - result.num_accepted_drafts
                 del req.token_ids[-k:]
                 req.num_draft_tokens = 0
-                req.draft_probs = None
                 self.stats.num_rejected_draft_tokens += k - result.num_accepted_drafts
             for tok in result.tokens:
                 req.append_token(tok)
@@ -233,7 +232,6 @@ class Scheduler:
                     self.kv.trim(req)
                 req.token_ids.extend(result.drafts)
                 req.num_draft_tokens = len(result.drafts)
-                req.draft_probs = result.draft_probs if result.drafts else None
             changed.append(req)
         return changed
 
