@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pagoda.tokenizer import load_tokenizer
 from server_utils import ServerProcess, flags_to_args, metrics, parse_metrics, wait_idle
@@ -92,16 +93,7 @@ def test_streamed_text_equals_non_streamed(openai_client: openai.OpenAI, served_
 
 def _byte_token(tokenizer, byte: int) -> int:
     """The id of the byte-level (GPT-2 alphabet) token that stands for one byte."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    if byte in printable:
-        char = chr(byte)
-    else:
-        char = chr(256 + [b for b in range(256) if b not in printable].index(byte))
-    return tokenizer.convert_tokens_to_ids(char)
+    return tokenizer.convert_tokens_to_ids(bytes_to_unicode()[byte])
 
 
 @pytest.mark.parametrize(("leads", "num_bytes"), [((0xE4, 0xE5, 0xE6, 0xE7, 0xE8, 0xE9), 3), ((0xF0,), 4)])
