@@ -5,7 +5,8 @@ Each node owns a run of whole blocks: `key` holds their token ids (a multiple of
 `blocks` their ids. A *tail* node is a leaf holding one partly filled block: the KV of the first
 len(key) < block_size tokens after its parent's path, left by a request that stopped writing it
 (it finished or was preempted). Children are keyed by their first block's tokens, so a tail's
-shorter key never collides with a whole block's. A lookup walks whole blocks; `match_partial`
+shorter key never collides with a whole block's. A lookup walks whole blocks (`find`, read-only;
+`claim` then cuts the node it ends inside and marks the path used); `match_partial`
 then finds the child block (a tail, or the first block of a whole child) sharing the most
 leading tokens with what follows, which the caller copies before writing (copy-on-write), so a
 hit is token-granular. The tree holds one pool reference on every block it caches. A running
