@@ -534,6 +534,46 @@ def test_abandoned_non_streaming_request_is_aborted(pagoda_server: str) -> None:
     assert m.get(ABORTED, 0.0) == aborted + 2
 
 
+def test_many_connections_dropped_at_once_free_their_requests(pagoda_server: str) -> None:
+    """64 clients, half streaming and half not, all drop their connections while their requests
+    run or wait: every request is aborted and every KV block comes back; the server keeps serving."""
+    n = 64
+    short = {**LONG, "max_tokens": 200}
+
+    async def drop_all() -> None:
+        async with httpx.AsyncClient(base_url=pagoda_server, timeout=TIMEOUT) as c:
+
+            async def stream() -> None:
+                async with c.stream("POST", "/v1/completions", json={**short, "stream": True}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            await asyncio.sleep(3600)  # dropped mid-stream by the cancel below
+
+            tasks = [
+                asyncio.create_task(stream() if i % 2 else c.post("/v1/completions", json=short))
+                for i in range(n)
+            ]
+            deadline = time.monotonic() + TIMEOUT
+            while True:  # until every request is in the engine (running or waiting)
+                m = parse_metrics((await c.get("/metrics")).text)
+                if m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] == n:
+                    break
+                assert time.monotonic() < deadline and not any(t.done() for t in tasks), m
+                await asyncio.sleep(0.01)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    aborted = metrics(pagoda_server).get(ABORTED, 0.0)
+    asyncio.run(drop_all())
+    m = wait_idle(pagoda_server, timeout_s=TIMEOUT)
+    assert m.get(ABORTED, 0.0) == aborted + n
+    assert httpx.post(
+        pagoda_server + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=TIMEOUT
+    ).is_success
+
+
 def test_concurrent_streams_match_sequential_greedy(
     pagoda_server: str, openai_client: openai.OpenAI, served_model: str
 ) -> None:
