@@ -64,7 +64,7 @@ def test_plan_honours_sliding_windows(variant: str, tmp_path, monkeypatch) -> No
     )
     planned, decoder = _generate(path, "bfloat16", True, monkeypatch)
     assert decoder._decode_plan is not None
-    assert decoder._decode_plan.layers[0].sliding_window == 5
+    assert decoder._decode_plan.sliding_windows[0] == 5
     modules, _ = _generate(path, "bfloat16", False, monkeypatch)
     _same(planned, modules)
 
