@@ -131,6 +131,8 @@ class QuantLinear:
         """Weight rows `index` (any shape) as float32 `[*index.shape, in_features]`: an embedding
         lookup from a tied LM head's weight."""
         flat = index.reshape(-1)
+        if len(self.parts) == 1:  # one segment (the usual embedding): no masks
+            return _dequantize(self.parts[0], flat).reshape(*index.shape, self.in_features)
         out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
         start = 0
         for part, rows in zip(self.parts, self.segment_rows, strict=True):
