@@ -64,7 +64,7 @@ def test_plan_honours_sliding_windows(variant: str, tmp_path, monkeypatch) -> No
     )
     planned, decoder = _generate(path, "bfloat16", True, monkeypatch)
     assert decoder._decode_plan is not None
-    assert decoder._decode_plan.layers[0].sliding_window == 5
+    assert decoder._decode_plan.sliding_windows[0] == 5
     modules, _ = _generate(path, "bfloat16", False, monkeypatch)
     _same(planned, modules)
 
@@ -72,3 +72,25 @@ def test_plan_honours_sliding_windows(variant: str, tmp_path, monkeypatch) -> No
 def test_no_plan_for_float32(tiny_model_dirs, monkeypatch) -> None:
     _, decoder = _generate(tiny_model_dirs["Qwen2ForCausalLM"], "float32", True, monkeypatch)
     assert decoder._decode_plan is None and decoder._plan_variant is None
+
+
+def test_plan_is_rebuilt_over_rebound_kv_caches(tiny_model_dirs) -> None:
+    llm = LLM(tiny_model_dirs["Qwen2ForCausalLM"], dtype="bfloat16", num_kv_blocks=64, block_size=4, seed=0)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = llm.generate(PROMPTS, params, use_tqdm=False)
+    worker = llm.engine.core.executor.worker
+    decoder = _decoder(llm)
+    if decoder._decode_plan is None:
+        pytest.skip("no kernel variant here")
+    fresh = [torch.zeros_like(kv) for kv in worker.kv_caches]
+    worker.model.bind_kv_cache(fresh)  # the plan held the old caches
+    assert decoder._decode_plan is None
+    worker.kv_caches = fresh
+    llm.engine.reset_prefix_cache()  # the cached prefixes were in the old caches
+    again = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert decoder._decode_plan is not None
+    assert all(
+        kv is layer.self_attn.attn.kv_cache
+        for kv, layer in zip(decoder._decode_plan.kv_caches, decoder.layers, strict=True)
+    )
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]

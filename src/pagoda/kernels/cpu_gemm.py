@@ -119,16 +119,6 @@ def linear(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None 
     return out.reshape(*x.shape[:-1], packed.out_features)
 
 
-def bound(packed: PackedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`linear(x, packed)` for 2-D x (output in the weight's dtype) as one closure over the current variant's op, for
-    loops that call the same weight every step (the decoder's decode path). No checks: the
-    caller guarantees a 2-D x of `in_features` columns, outside autograd."""
-    op = kernel_op("packed_linear")
-    data, n, bias, epilogue = packed.data, packed.out_features, packed.bias, packed.epilogue
-    out_fp32 = data.dtype is torch.float32
-    return lambda x: op(x, data, n, bias, epilogue, out_fp32)
-
-
 def _columns(
     packed: PackedWeight, cols: torch.Tensor, panel_offset: int = 0, panel_step: int = 1
 ) -> torch.Tensor:

@@ -20,7 +20,7 @@ Benchmark: `python -m pagoda.quant.kernel_bench` (against the bf16 kernel, per r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,14 +106,11 @@ class Stack:
         # The op of the variant in use, looked up per call (tests switch variants).
         return op("quant_linear")(x, *self._args, self._bias, self._swiglu, out_fp32)
 
-    def bound(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """`self(x)` (x's dtype out) as one closure over the current variant's op, for loops that
-        call the same weight every step (the decoder's decode plan, rebuilt when the variant
-        changes). No checks: the caller passes a 2-D float32 or bfloat16 x of the right width."""
-        fn = op("quant_linear")
+    def arguments(self) -> tuple[list, list, list[int], list[int], torch.Tensor | None, bool]:
+        """`quant_linear`'s arguments after x, before out_fp32: (values, scales, qtypes, rows,
+        bias, swiglu), for callers that bind the op natively (models/decode_plan.py)."""
         values, scales, qtypes, rows = self._args
-        bias, swiglu = self._bias, self._swiglu
-        return lambda x: fn(x, values, scales, qtypes, rows, bias, swiglu, False)
+        return values, scales, [int(q) for q in qtypes], rows, self._bias, self._swiglu
 
 
 def raw_rows(packed: PackedQuant, index: torch.Tensor) -> torch.Tensor:

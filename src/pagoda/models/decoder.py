@@ -163,13 +163,14 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, index, attn_backend, dtype, tp) for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        # The decode step without module calls (see decode_plan), built on the first decode-only
-        # step under each kernel variant; None where the layers do not take the kernels.
+        # The decode step as one native call (see decode_plan), built on the first decode-only
+        # step under each kernel variant; None where the layers do not take the kernels. It binds
+        # the weights and KV caches: reset when either changes.
         self._decode_plan: DecodePlan | None = None
         self._plan_variant: object = None
 
     def reset_decode_plan(self) -> None:
-        """Forget the plan (the layers' weights changed)."""
+        """Forget the plan (the layers' weights or KV caches changed)."""
         self._decode_plan, self._plan_variant = None, None
 
     def _plan_for(self, hidden: torch.Tensor, md: AttentionMetadata) -> DecodePlan | None:
@@ -182,8 +183,7 @@ class DecoderModel(nn.Module):
             return None
         if variant is not self._plan_variant:
             self._decode_plan, self._plan_variant = DecodePlan.build(self), variant
-        plan = self._decode_plan
-        return plan if plan is not None and plan.kv_ready() else None
+        return self._decode_plan
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
@@ -232,6 +232,10 @@ class DecoderForCausalLM(CausalLM):
         self.model.reset_decode_plan()
         if self.config.tie_word_embeddings and self.lm_head.packed is not None:
             self.model.embed_tokens.use_packed(self.lm_head.packed)
+
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        super().bind_kv_cache(kv_caches)
+        self.model.reset_decode_plan()  # the plan holds the caches it was built over
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata

@@ -18,7 +18,7 @@ do not run take the reference: dequantize to float32 and `F.linear`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -74,11 +74,10 @@ class QuantLinear:
         # One kernel call for the whole layer, its arguments gathered here once.
         self._kernel = cpu_quant.Stack(self.parts, self.bias) if self.fused else None
 
-    def bound(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """`self(x)` for a 2-D bfloat16 or float32 x (its dtype out), without the per-call checks:
-        the kernel op bound to this weight where it runs (`cpu_quant.Stack.bound`), else the
-        layer itself. For the decode plan, which rebuilds it when the kernel variant changes."""
-        return self._kernel.bound() if self._kernel is not None else self
+    def kernel_arguments(self) -> tuple | None:
+        """The fused kernel op's arguments (`cpu_quant.Stack.arguments`), or None where this
+        layer does not run as one kernel call."""
+        return self._kernel.arguments() if self._kernel is not None else None
 
     def values_by_type(self) -> dict[str, int]:
         """Weight values per storage type."""
@@ -132,6 +131,8 @@ class QuantLinear:
         """Weight rows `index` (any shape) as float32 `[*index.shape, in_features]`: an embedding
         lookup from a tied LM head's weight."""
         flat = index.reshape(-1)
+        if len(self.parts) == 1:  # one segment (the usual embedding): no masks
+            return _dequantize(self.parts[0], flat).reshape(*index.shape, self.in_features)
         out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
         start = 0
         for part, rows in zip(self.parts, self.segment_rows, strict=True):

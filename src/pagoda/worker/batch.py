@@ -45,6 +45,18 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """chunks: per sequence, fewest new tokens first, (its new token ids, the position of the
         first, its block table). `logits_rows` are flat rows of the new tokens."""
+        if all(len(ids) == 1 for ids, _, _ in chunks):
+            return cls._decodes(chunks, block_size, logits_rows, block_copies)
+        return cls._general(chunks, block_size, logits_rows, block_copies)
+
+    @classmethod
+    def _general(
+        cls,
+        chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+        block_size: int,
+        logits_rows: Sequence[int],
+        block_copies: list[tuple[int, int]],
+    ) -> ForwardBatch:
         bs = block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -72,6 +84,34 @@ class ForwardBatch:
             seq_lens=seq_lens,
             query_start_loc=query_start,
             num_decodes=num_decodes,
+            block_size=bs,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
+            block_copies=block_copies,
+        )
+
+    @classmethod
+    def _decodes(
+        cls,
+        chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]],
+        bs: int,
+        logits_rows: Sequence[int],
+        block_copies: list[tuple[int, int]],
+    ) -> ForwardBatch:
+        """`build` for a batch of decodes only (one new token per sequence; every step of a
+        single stream): the same tensors, from Python ints without the general path's tensor ops."""
+        positions = [start for _, start, _ in chunks]
+        seq_lens = [start + 1 for start in positions]
+        max_blocks = max(-(-sl // bs) for sl in seq_lens)
+        tables = [list(b[:max_blocks]) + [0] * (max_blocks - len(b)) for _, _, b in chunks]
+        slots = [b[start // bs] * bs + start % bs for (_, start, b) in chunks]
+        return cls(
+            input_ids=torch.tensor([ids[0] for ids, _, _ in chunks], dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            seq_lens=seq_lens,
+            query_start_loc=list(range(len(chunks) + 1)),
+            num_decodes=len(chunks),
             block_size=bs,
             logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
             block_copies=block_copies,
