@@ -9,7 +9,7 @@ import pytest
 from pagoda.entrypoints.cli import main
 
 
-@pytest.mark.slow  # about 3 minutes on 2 busy cores: the workload is built through /tokenize
+@pytest.mark.slow  # about a minute on 2 busy cores (48 s in session 24)
 def test_bench_lang_select_runs_and_agrees(lang_server, tmp_path) -> None:
     result = tmp_path / "lang.json"
     flags = {
