@@ -7,19 +7,24 @@ Workloads:
                    the requests score each choice alone, from the whole prompt (vLLM's
                    prompt_logprobs) or from the choice on (pagoda's logprob_start_len); also
                    times select against a gen of one token on the same questions
-  tree-of-thought  T problems, each a tree of forks (width W, depth D) of short thoughts
+  tree-of-thought  T problems, each a tree (SGLang's tree_of_thought_v0 shape by default: a
+                   GSM8K-sized problem, no few-shot; at each of 3 levels, plan / solve /
+                   check, every node gets a user turn and forks into 3 branches of up to 256
+                   tokens at temperature 0.3; 3 + 9 + 27 thoughts a problem)
 Variants: `lang` (the pagoda.lang program; `lang gen 1` for select: a gen of one token instead);
 `openai`, the issue's baseline: the same program written without the language against the plain
 OpenAI API, as SGLang's own benchmarks write their baselines (benchmark/*/bench_other.py): each
 program's calls one after another in program order (a select's choices one request each, scored
-with echo + logprobs + max_tokens 0, which scores the whole prompt), the programs in parallel;
+with echo + logprobs + max_tokens 0, which scores the whole prompt; a tree node's branches one
+request with n = width, the tree walked depth first), the programs in parallel;
 `requests` / `requests start`, the strict baselines: every call of every program sent at once,
 select's choices scored with vLLM's prompt_logprobs from the first token (`requests`) or with
 pagoda's logprob_start_len from the choice on (`requests start`, tree-of-thought's `requests`).
 Reported per variant: the median wall time over --repeats runs (after --warmup untimed ones), the
-prompt tokens the server computed (its prefix-cache queries minus hits), and the language's
+prompt tokens the server computed (its prefix-cache queries minus hits), the tokens it generated,
+the requests (prompts) it served, and the language's
 speedup over the issue's baseline (`openai`) and over the strictest baseline run. All variants
-send the same texts; greedy answers match.
+send the same texts; greedy answers match (sampled thoughts are not compared).
 """
 
 from __future__ import annotations
@@ -79,11 +84,35 @@ WORDS = tuple(
 CHOICES = [" yes", " no", " maybe", " unknown"]
 REQUEST_TIMEOUT_S = 600.0  # one request may wait behind all the others of a run, but never hangs
 
+# The tree-of-thought's user turn at each level (the last repeats below depth 4), in the spirit
+# of SGLang's tree_of_thought benchmarks: plan, solve, check, answer.
+TREE_TURNS = (
+    "Sketch how you would solve the problem below: name the method and the idea, restate the facts if it "
+    "helps, and leave the arithmetic for later. Keep it under 80 words. Problem: {problem}",
+    "That plan works. Now carry it out with the real numbers, step by step, and end with the final answer. "
+    "Keep it short.",
+    "Now check your solution carefully and rate its correctness from 1 to 5.",
+    "After that check, would you change anything? Give your final answer.",
+)
+
+
+def tree_turn(level: int, problem: str) -> str:
+    """The text before a node's branches at `level` (0 is the root)."""
+    text = TREE_TURNS[min(level, len(TREE_TURNS) - 1)].format(problem=problem)
+    return f"User: {text}\nAssistant:"
+
 
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
@@ -113,11 +142,26 @@ class LangBenchArgs:
         type=_choices,
         help="select: the answers to choose from, separated by '|' (a leading space is part of one)",
     )
-    num_trees: int = arg(4, type=_positive, help="tree-of-thought problems")
-    width: int = arg(4, type=_positive, help="tree-of-thought: branches per fork")
-    depth: int = arg(2, type=_positive, help="tree-of-thought: levels of forks")
-    context_tokens: int = arg(1024, type=_positive, help="tree-of-thought: problem tokens")
-    thought_tokens: int = arg(8, type=_positive, help="tree-of-thought: tokens per thought")
+    num_trees: int = arg(4, type=_positive, help="tree-of-thought problems, all run at once")
+    width: int = arg(
+        3, type=_positive, help="tree-of-thought: branches per node (SGLang's tree_of_thought_v0: 3)"
+    )
+    depth: int = arg(
+        3,
+        type=_positive,
+        help="tree-of-thought: levels (SGLang's: 3, plan / solve / check; _deep: 4 of width 2)",
+    )
+    context_tokens: int = arg(
+        64, type=_positive, help="tree-of-thought: problem tokens (about a GSM8K question, as SGLang uses)"
+    )
+    thought_tokens: int = arg(
+        256, type=_positive, help="tree-of-thought: tokens per thought (SGLang's max_tokens)"
+    )
+    thought_temperature: float = arg(
+        0.3,
+        type=_temperature,
+        help="tree-of-thought: sampling temperature of the thoughts (SGLang's v0: 0.3)",
+    )
     repeats: int = arg(3, type=_positive, help="timed runs of each variant")
     warmup: int = arg(1, help="untimed runs of each variant first")
     variants: str | None = arg(
@@ -143,7 +187,9 @@ def register(subparsers) -> None:
 @dataclass
 class Sample:
     seconds: float
-    computed_tokens: int
+    computed_tokens: int  # prompt tokens the server computed (prefix-cache queries less hits)
+    generated_tokens: int = 0
+    requests: int = 0  # prompts the engine served (a prompt's n samples count once; commits count)
 
 
 @dataclass
@@ -159,6 +205,14 @@ class VariantResult:
     @property
     def median_computed(self) -> int:
         return int(statistics.median(s.computed_tokens for s in self.samples))
+
+    @property
+    def median_generated(self) -> int:
+        return int(statistics.median(s.generated_tokens for s in self.samples))
+
+    @property
+    def median_requests(self) -> int:
+        return int(statistics.median(s.requests for s in self.samples))
 
 
 class Server:
@@ -178,16 +232,25 @@ class Server:
         )
         self.model = self.client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
 
-    def counters(self) -> tuple[float, float]:
-        """(prefix-cache queries, hits) so far, in prompt tokens."""
+    COUNTERS = (
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:generation_tokens_total",
+        "vllm:e2e_request_latency_seconds_count",
+    )
+
+    def counters(self) -> dict[str, float]:
+        """The server's totals so far of COUNTERS (prompt tokens looked up and served by the
+        prefix cache, tokens generated, requests finished)."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = self.client.get("/metrics").raise_for_status().text
-        values = {}
+        values = dict.fromkeys(self.COUNTERS, 0.0)
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
-        return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
+                if sample.name in values:
+                    values[sample.name] += sample.value
+        return values
 
     def reset_cache(self) -> None:
         self.client.post("/reset_prefix_cache").raise_for_status()
@@ -201,20 +264,68 @@ class Server:
 
 def measure(server: Server, work: Callable[[], Any]) -> tuple[Sample, Any]:
     server.reset_cache()
-    queries0, hits0 = server.counters()
+    before = server.counters()
     start = time.perf_counter()
     result = work()
     seconds = time.perf_counter() - start
-    queries1, hits1 = server.counters()
-    return Sample(seconds, int((queries1 - queries0) - (hits1 - hits0))), result
+    after = server.counters()
+    queries, hits, generated, requests = (int(after[k] - before[k]) for k in Server.COUNTERS)
+    return Sample(seconds, queries - hits, generated, requests), result
+
+
+def tokenize_all(backend, texts: list[str]) -> list[list[int]]:
+    """`backend.tokenize` of each text, the requests sent side by side (one round trip's wait for
+    many texts instead of one each)."""
+    if len(texts) <= 1:
+        return [backend.tokenize(t) for t in texts]
+    with ThreadPoolExecutor(min(len(texts), TOKENIZE_THREADS)) as pool:
+        return list(pool.map(backend.tokenize, texts))
+
+
+TOKENIZE_THREADS = 16
 
 
 def _words(rng: random.Random, backend, tokens: int) -> str:
-    """Random words cut to `tokens` tokens as the server tokenizes them."""
-    text = ""
-    while len(backend.tokenize(text or " ")) < tokens:
-        text += " " + " ".join(rng.choices(WORDS, k=8))
-    while len(backend.tokenize(text)) > tokens:
+    """Random words cut to `tokens` tokens as the server tokenizes them: 8 words at a time until
+    the text has at least `tokens` tokens (an empty text counts as " "), then words dropped from
+    the end until it has at most that many. The lengths it needs are asked in two batches (every
+    8-word step at once, then every cut of the last step), so it takes two round trips where
+    asking one length at a time took one per step; the texts and the random stream are the
+    same."""
+    state = rng.getstate()
+    chunks: list[str] = []
+    steps = [""]  # the text after 0, 1, 2, ... 8-word steps
+    guess = 2  # steps to ask for in the next batch
+    counts: list[int] = []
+    while True:
+        while len(steps) < len(counts) + guess:
+            chunks.append(" " + " ".join(rng.choices(WORDS, k=8)))
+            steps.append(steps[-1] + chunks[-1])
+        new = steps[len(counts) :]
+        counts += [len(ids) for ids in tokenize_all(backend, [t or " " for t in new])]
+        done = next((k for k, n in enumerate(counts) if n >= tokens), None)
+        if done is not None:
+            break
+        # Not there yet: guess the steps still needed from the tokens a step has added so far.
+        per_step = max(1.0, (counts[-1] - counts[0]) / (len(counts) - 1))
+        guess = int((tokens - counts[-1]) / per_step) + 2
+    # The random stream as if only `done` steps had been drawn.
+    rng.setstate(state)
+    for _ in range(done):
+        rng.choices(WORDS, k=8)
+    text = steps[done]
+    if (counts[done] if done else len(backend.tokenize(text))) <= tokens:  # "" may count other than " "
+        return text.strip()
+    cuts = []
+    cut = text
+    for _ in range(8 if done else 1):
+        cut = cut.rsplit(" ", 1)[0]
+        cuts.append(cut)
+    for cut, ids in zip(cuts, tokenize_all(backend, cuts), strict=True):
+        if len(ids) <= tokens:
+            return cut.strip()
+    text = cuts[-1]
+    while len(backend.tokenize(text)) > tokens:  # token counts that shrink as words are added
         text = text.rsplit(" ", 1)[0]
     return text.strip()
 
@@ -249,13 +360,16 @@ def run(args: argparse.Namespace) -> int:
     workloads = WORKLOADS if args.workload == "all" else (args.workload,)
     results: list[VariantResult] = []
     notes: dict[str, Any] = {}
-    questions = [_words(rng, backend, args.question_tokens) for _ in range(args.num_questions)]
     choices = args.choices.split("|")
-    prompt = few_shot_prompt(rng, backend, args.num_shots, args.prompt_tokens, choices)
-    print(
-        f"server: {args.base_url} ({server.model})\nshared few-shot prompt: {len(backend.tokenize(prompt))} "
-        f"tokens, {args.num_questions} questions of {args.question_tokens} tokens"
-    )
+    questions: list[str] = []
+    prompt = ""
+    if {"few-shot", "select"} & set(workloads):
+        questions = [_words(rng, backend, args.question_tokens) for _ in range(args.num_questions)]
+        prompt = few_shot_prompt(rng, backend, args.num_shots, args.prompt_tokens, choices)
+        print(
+            f"server: {args.base_url} ({server.model})\nshared few-shot prompt: {len(backend.tokenize(prompt))} "
+            f"tokens, {args.num_questions} questions of {args.question_tokens} tokens"
+        )
     if "select" in workloads:
         sizes = [len(backend.tokenize("\nAnswer:" + c)) - len(backend.tokenize("\nAnswer:")) for c in choices]
         print(f"select choices: {choices} ({', '.join(map(str, sizes))} tokens)")
@@ -290,10 +404,12 @@ def run(args: argparse.Namespace) -> int:
     # The independent requests score each choice from its own full prompt; which tokens are the
     # choice's is worked out here, before the clock starts.
     select_items = []
-    for q in questions:
-        head = prompt + "Question: " + q + "\nAnswer:"
-        texts = [head + c for c in choices]
-        select_items.append((len(backend.tokenize(head)), texts, [backend.tokenize(t) for t in texts]))
+    if "select" in workloads:
+        heads = [prompt + "Question: " + q + "\nAnswer:" for q in questions]
+        ids = iter(tokenize_all(backend, [t for head in heads for t in (head, *(head + c for c in choices))]))
+        for head in heads:
+            base = len(next(ids))
+            select_items.append((base, [head + c for c in choices], [next(ids) for _ in choices]))
 
     def requests_select(from_start: bool) -> Callable[[], list]:
         """Each choice as its own request with vLLM's prompt_logprobs (the whole prompt scored, so
@@ -347,18 +463,31 @@ def run(args: argparse.Namespace) -> int:
             return list(pool.map(one, questions))
 
     width, depth = args.width, args.depth
-    problems = [_words(rng, backend, args.context_tokens) for _ in range(args.num_trees)]
+    gen_tree = {
+        "max_tokens": args.thought_tokens,
+        "temperature": args.thought_temperature,
+        "ignore_eos": True,
+    }
+    # Its own random stream: the problems do not depend on the few-shot workloads' texts.
+    tree_rng = random.Random(args.seed)
+    problems = (
+        [_words(tree_rng, backend, args.context_tokens) for _ in range(args.num_trees)]
+        if "tree-of-thought" in workloads
+        else []
+    )
 
     @pl.function
     def tree(s, problem):
-        s += "Problem: " + problem + "\nLet us think in steps."
+        # SGLang's shape: at each level every node gets the level's user turn, then forks into
+        # `width` branches that each write an assistant turn.
         level = [s]
         for d in range(depth):
             nxt = []
             for node in level:
+                node += tree_turn(d, problem)
                 forks = node.fork(width)
-                for i, f in enumerate(forks):
-                    f += f"\nStep {d}.{i}:" + pl.gen(None, max_tokens=args.thought_tokens, ignore_eos=True)
+                forks += pl.gen(None, **gen_tree)
+                forks += "\n"
                 nxt.extend(forks)
             level = nxt
         s["leaves"] = [f.text() for f in level]
@@ -367,46 +496,38 @@ def run(args: argparse.Namespace) -> int:
         states = tree.run_batch([{"problem": p} for p in problems], temperature=0, backend=backend)
         return [s["leaves"] for s in states]
 
+    def branch(prompt: str) -> list[str]:
+        """One node: its `width` thoughts in one request (n), as SGLang's bench_other asks."""
+        out = server.complete(prompt=prompt, n=width, **gen_tree)["choices"]
+        return [prompt + c["text"] + "\n" for c in sorted(out, key=lambda c: c["index"])]
+
     def requests_tree() -> list:
+        """Level by level, every node of every problem at once."""
+
         def one(problem: str) -> list[str]:
-            level = ["Problem: " + problem + "\nLet us think in steps."]
+            level = [""]
             for d in range(depth):
-                prompts = [text + f"\nStep {d}.{i}:" for text in level for i in range(width)]
-                with ThreadPoolExecutor(len(prompts)) as pool:
-                    outs = list(
-                        pool.map(
-                            lambda t: server.complete(
-                                prompt=t, max_tokens=args.thought_tokens, temperature=0, ignore_eos=True
-                            )["choices"][0]["text"],
-                            prompts,
-                        )
-                    )
-                level = [p + o for p, o in zip(prompts, outs, strict=True)]
+                with ThreadPoolExecutor(len(level)) as pool:
+                    outs = list(pool.map(branch, [text + tree_turn(d, problem) for text in level]))
+                level = [leaf for out in outs for leaf in out]
             return level
 
         with ThreadPoolExecutor(len(problems)) as pool:
             return list(pool.map(one, problems))
 
     def openai_tree() -> list:
-        """The tree written without the language: each problem's thoughts one request after
-        another in program order (SGLang's tree_of_thought bench_other), the problems in parallel."""
+        """The tree written without the language, as SGLang's tree_of_thought bench_other walks
+        it: depth first, one request per node (its branches as n samples), the problems in
+        parallel."""
 
-        def one(problem: str) -> list[str]:
-            level = ["Problem: " + problem + "\nLet us think in steps."]
-            for d in range(depth):
-                nxt = []
-                for text in level:
-                    for i in range(width):
-                        p = text + f"\nStep {d}.{i}:"
-                        out = server.complete(
-                            prompt=p, max_tokens=args.thought_tokens, temperature=0, ignore_eos=True
-                        )
-                        nxt.append(p + out["choices"][0]["text"])
-                level = nxt
-            return level
+        def walk(text: str, d: int, problem: str) -> list[str]:
+            children = branch(text + tree_turn(d, problem))
+            if d + 1 == depth:
+                return children
+            return [leaf for child in children for leaf in walk(child, d + 1, problem)]
 
         with ThreadPoolExecutor(len(problems)) as pool:
-            return list(pool.map(one, problems))
+            return list(pool.map(lambda p: walk("", 0, p), problems))
 
     plans: dict[str, list[tuple[str, Callable[[], Any]]]] = {
         "few-shot": [("requests", requests_few_shot), ("lang", lang_batch(answer))],
@@ -442,10 +563,18 @@ def run(args: argparse.Namespace) -> int:
                 sample, answers[name] = measure(server, work)
                 if round_ >= args.warmup:
                     variants[name].samples.append(sample)
-        compared = [a for name, a in answers.items() if name != "lang gen 1"]
-        same = all(a == compared[0] for a in compared)
-        notes[workload] = {"same_answers": same}
-        print(f"{workload}: the language and the requests gave {'the same' if same else 'DIFFERENT'} answers")
+        if workload == "tree-of-thought" and args.thought_temperature > 0:
+            notes[workload] = {"same_answers": None}
+            print(
+                f"{workload}: thoughts sampled at temperature {args.thought_temperature}: answers not compared"
+            )
+        else:
+            compared = [a for name, a in answers.items() if name != "lang gen 1"]
+            same = all(a == compared[0] for a in compared)
+            notes[workload] = {"same_answers": same}
+            print(
+                f"{workload}: the language and the requests gave {'the same' if same else 'DIFFERENT'} answers"
+            )
         results.extend(variants.values())
     _report(results, notes, args)
     return 0
@@ -463,8 +592,8 @@ def _report(results: list[VariantResult], notes: dict, args: argparse.Namespace)
     `requests`: everything concurrent, pagoda's logprob_start_len), which shows what the language
     adds over a client that already exploits the server fully."""
     print(
-        f"\n{'workload':<16} {'variant':<15} {'median s':>9} {'computed tokens':>16} "
-        f"{'vs openai':>10} {'vs strict':>10}"
+        f"\n{'workload':<16} {'variant':<15} {'median s':>9} {'computed tokens':>16} {'generated':>10} "
+        f"{'requests':>9} {'vs openai':>10} {'vs strict':>10}"
     )
     by_workload: dict[str, dict[str, VariantResult]] = {}
     for r in results:
@@ -477,14 +606,16 @@ def _report(results: list[VariantResult], notes: dict, args: argparse.Namespace)
         vs_issue = issue.median_s / r.median_s if issue else None
         vs_strict = strict.median_s / r.median_s if strict else None
         print(
-            f"{r.workload:<16} {r.variant:<15} {r.median_s:>9.3f} {r.median_computed:>16} "
-            f"{_ratio(vs_issue):>10} {_ratio(vs_strict):>10}"
+            f"{r.workload:<16} {r.variant:<15} {r.median_s:>9.3f} {r.median_computed:>16} {r.median_generated:>10} "
+            f"{r.median_requests:>9} {_ratio(vs_issue):>10} {_ratio(vs_strict):>10}"
         )
         rows.append(
             {
                 **asdict(r),
                 "median_s": r.median_s,
                 "median_computed_tokens": r.median_computed,
+                "median_generated_tokens": r.median_generated,
+                "median_requests": r.median_requests,
                 "speedup_vs_openai": vs_issue,
                 "speedup_vs_strict": vs_strict,
             }
