@@ -21,6 +21,10 @@ from pagoda.sampling_params import SamplingParams, StructuredOutputs
 MAX_LOGPROBS = 20
 # Largest request body the server and the router read, in bytes (--max-body-size); a 413 beyond.
 DEFAULT_MAX_BODY_SIZE = 16 * 1024 * 1024
+# Seconds the server and the router keep an idle HTTP connection open (--timeout-keep-alive).
+# Longer than the common clients' pool expiry (httpx and the OpenAI SDK: 5 s; aiohttp: 15 s), so
+# that such a client drops an idle connection before the server closes it, never as it sends on it.
+DEFAULT_KEEP_ALIVE_S = 30.0
 
 
 class LimitError(ValueError):

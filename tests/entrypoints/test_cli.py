@@ -361,6 +361,10 @@ def test_api_key_comes_from_the_flag_or_the_environment(monkeypatch: pytest.Monk
         ServerArgs(port=70000)
     with pytest.raises(ValueError, match="replicas"):
         ServerArgs(replicas=0)
+    for bad in (0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="timeout_keep_alive"):
+            ServerArgs(timeout_keep_alive=bad)
+    assert ServerArgs(timeout_keep_alive=2.5).timeout_keep_alive == 2.5
 
 
 def test_building_the_parser_imports_no_engine() -> None:

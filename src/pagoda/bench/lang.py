@@ -77,6 +77,7 @@ WORDS = tuple(
     ]
 )
 CHOICES = [" yes", " no", " maybe", " unknown"]
+REQUEST_TIMEOUT_S = 600.0  # one request may wait behind all the others of a run, but never hangs
 
 
 def _positive(text: str) -> int:
@@ -166,12 +167,14 @@ class Server:
     def __init__(self, base_url: str, api_key: str | None) -> None:
         import httpx
 
+        from pagoda import http_client
+
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(
+        # Shared by hundreds of threads at once (every choice of every question); see http_client.
+        self.client = http_client.client(
             base_url=base_url.rstrip("/"),
             headers=headers,
-            timeout=httpx.Timeout(3600.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+            timeout=httpx.Timeout(REQUEST_TIMEOUT_S, pool=None),
         )
         self.model = self.client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
 

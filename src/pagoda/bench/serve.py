@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
+from pagoda import http_client
 from pagoda.bench.datasets import BenchRequest
 from pagoda.bench.metrics import (
     SLO_METRICS,
@@ -347,9 +348,6 @@ async def run_benchmark_async(
     semaphore = asyncio.Semaphore(config.max_concurrency or len(requests))
     headers = _headers(config.api_key)
     outcomes: dict[int, tuple[float, _Outcome, dict]] = {}  # index -> (scheduled time, outcome, payload)
-    limits = httpx.Limits(
-        max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency
-    )
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     progress = tqdm(total=len(requests), disable=not config.show_progress, desc="requests", unit="req")
 
@@ -373,7 +371,7 @@ async def run_benchmark_async(
             progress.update(1)
 
     timeout = httpx.Timeout(config.request_timeout_s)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    async with http_client.async_client(max_connections=config.max_concurrency, timeout=timeout) as client:
         bench_start = time.perf_counter()
         tasks = []
         for session, scheduled in zip(sessions, arrivals, strict=True):

@@ -131,17 +131,15 @@ class SoakResult:
 async def run_soak(config: SoakConfig) -> SoakResult:
     import asyncio
 
-    import httpx
+    from pagoda import http_client
 
     result = SoakResult(config={k: v for k, v in asdict(config).items() if k != "api_key"})
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    limits = httpx.Limits(max_connections=config.concurrency * 2)
-    async with httpx.AsyncClient(
+    async with http_client.async_client(
+        max_connections=config.concurrency * 2,
         base_url=config.base_url.rstrip("/"),
         headers=headers,
         timeout=config.request_timeout_s,
-        limits=limits,
-        trust_env=False,
     ) as client:
         model = config.model or (await client.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
         config = await _fit(client, model, config)

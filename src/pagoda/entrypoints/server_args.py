@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.cli_args import arg
-from pagoda.limits import DEFAULT_MAX_BODY_SIZE
+from pagoda.limits import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_BODY_SIZE
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # By vLLM's names; kept equal to the parsers of openai/tool_parsers and openai/reasoning (a test
@@ -48,6 +48,11 @@ class ServerArgs:
     max_body_size: int = arg(
         DEFAULT_MAX_BODY_SIZE, help="largest request body in bytes; larger ones get a 413", metavar="BYTES"
     )
+    timeout_keep_alive: float = arg(
+        DEFAULT_KEEP_ALIVE_S,
+        help="seconds an idle HTTP connection stays open (above clients' pool expiry, e.g. httpx's 5 s)",
+        metavar="SECONDS",
+    )
     # Chat replies.
     tool_call_parser: str | None = arg(
         None,
@@ -80,6 +85,12 @@ class ServerArgs:
         ):
             raise ValueError(
                 f"max_waiting_requests must be an integer >= 1, got {self.max_waiting_requests!r}"
+            )
+        if isinstance(self.timeout_keep_alive, bool) or not (
+            isinstance(self.timeout_keep_alive, int | float) and 0 < self.timeout_keep_alive < float("inf")
+        ):
+            raise ValueError(
+                f"timeout_keep_alive must be a number of seconds > 0, got {self.timeout_keep_alive!r}"
             )
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")

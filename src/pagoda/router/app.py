@@ -15,7 +15,9 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagoda import http_client
 from pagoda.http_body import BodySizeLimit
+from pagoda.limits import DEFAULT_KEEP_ALIVE_S
 from pagoda.router.backends import Backend, BackendPool
 from pagoda.router.config import RouterConfig
 from pagoda.router.errors import error_response
@@ -60,15 +62,15 @@ class RouterState:
 
     def make_client(self) -> httpx.AsyncClient:
         c = self.config
-        return httpx.AsyncClient(
+        # Never through an environment-configured proxy; a backend's stale keep-alive connection is
+        # resent on a fresh one instead of failing the request (and the backend's health).
+        return http_client.async_client(
             timeout=httpx.Timeout(
                 connect=c.connect_timeout_s,
                 read=c.read_timeout_s,
                 write=c.read_timeout_s,
                 pool=c.connect_timeout_s,
-            ),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            trust_env=False,  # never send backend traffic through an environment-configured proxy
+            )
         )
 
 
@@ -193,4 +195,5 @@ def run_router(config: RouterConfig, log_level: str = "info") -> None:
         port=config.port,
         log_level=log_level,
         access_log=False,  # the router logs each request with its x-request-id itself
+        timeout_keep_alive=DEFAULT_KEEP_ALIVE_S,
     )

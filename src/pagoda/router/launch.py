@@ -134,11 +134,17 @@ async def _serve_router(config: Any, replicas: _Replicas, log_level: str) -> boo
     """Run the router until it is told to stop or a replica exits; True if a replica exited."""
     import uvicorn
 
+    from pagoda.limits import DEFAULT_KEEP_ALIVE_S
     from pagoda.router.app import create_app
 
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(config), host=config.host, port=config.port, log_level=log_level, access_log=False
+            create_app(config),
+            host=config.host,
+            port=config.port,
+            log_level=log_level,
+            access_log=False,
+            timeout_keep_alive=DEFAULT_KEEP_ALIVE_S,
         )
     )
     replica_died = False

@@ -205,6 +205,7 @@ def run_server(engine_args: EngineArgs, config: ServerArgs) -> int:
             port=config.port,
             log_level=config.log_level,
             timeout_graceful_shutdown=config.shutdown_timeout,
+            timeout_keep_alive=config.timeout_keep_alive,
             access_log=False,
         )
     )

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from pagoda import SamplingParams
+from pagoda import SamplingParams, http_client
 from pagoda.lang.backend.base import Backend, GenOutput, choice_spans
 from pagoda.lang.choices import TokenLogprob
 from pagoda.lang.errors import BackendRequestError
@@ -64,12 +64,12 @@ class RuntimeEndpoint(Backend):
         self.base_url = base_url.rstrip("/")
         api_key = api_key or os.environ.get("PAGODA_API_KEY") or None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(
+        # One client for every thread of run_batch / fork; see http_client for its pool and resends.
+        self._client = http_client.client(
             base_url=self.base_url,
             headers=headers,
             verify=verify,
             timeout=httpx.Timeout(timeout, connect=30.0, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=128),
         )
         self._features: dict[str, bool] = {}
         self._features_lock = threading.Lock()
