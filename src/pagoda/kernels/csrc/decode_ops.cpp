@@ -7,8 +7,10 @@
 // Numerics: RMSNorm rounds exactly where transformers' bf16 RMSNorm rounds (the sum x + residual,
 // the normalised value, the product with the weight) and keeps the statistics in fp32, so it
 // differs from torch only in the order of the fp32 sum of squares. Attention computes scores,
-// softmax and the weighted sum of V in fp32 and rounds the output once. Attention also takes
-// fp32 tensors (fp32 models): the same arithmetic, with nothing rounded.
+// softmax and the weighted sum of V in fp32 and rounds the output once (on avx512_bf16 the bf16
+// scores come from vdpbf16ps: exact products, fp32 sums in its own order, so that variant's bf16
+// attention differs from avx2 / avx512 in the last bits). Attention also takes fp32 tensors (fp32
+// models): fp32 arithmetic on every variant, with nothing rounded.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -186,47 +188,151 @@ constexpr int kPassVecs = 2;
 constexpr int rows_per_tile(int c) { return c == 1 ? 6 : 2; }
 #endif
 
-// out[r][d0, d0 + 16 C) = sum_t p[r][t] * v[t][d0, ...] / sums[r] for R score rows (p: [R, len - start]).
-template <int C, typename E>
-void accumulate_v(const VRows<E>& rows, int64_t d0, const float* p, const float* inv_sum, int64_t R,
-                  const OutRows<E>& out) {
-  constexpr int RT = rows_per_tile(C);
-  const int64_t n = rows.len - rows.start;
-  Mask masks[C];
-  for (int c = 0; c < C; ++c) masks[c] = tail_mask(rows.D - d0 - c * 16);
-  for (int64_t r0 = 0; r0 < R; r0 += RT) {
-    const int64_t rt = std::min<int64_t>(RT, R - r0);
-    VecF acc[RT][C];
-    for (int r = 0; r < RT; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = zero();
-    for (int64_t t = rows.start; t < rows.len; ++t) {
-      const E* v = rows.row(t) + d0;
-      if (t + kPrefetchAhead < rows.len) prefetch_row(rows.row(t + kPrefetchAhead) + d0, 16 * C);
-      VecF vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load_elems(v + c * 16, masks[c]);
-      for (int r = 0; r < RT; ++r) {
-        if (r < rt) {
-          const VecF w = set1(p[(r0 + r) * n + (t - rows.start)]);
-          for (int c = 0; c < C; ++c) acc[r][c] = fmadd(w, vv[c], acc[r][c]);
-        }
-      }
+// out[r][d0, d0 + 16 C) = sum_t p[r][t] * v[t][d0, ...] * inv_sum[r] for the RT score rows r0 ..
+// r0 + RT - 1 (p: rows of len - start weights, ldp apart): one load of V per position for all RT
+// rows, the sums in registers (RT is a constant so that they stay there).
+template <int C, int RT, typename E>
+void v_tile(const VRows<E>& rows, int64_t d0, const Mask* masks, const float* p, int64_t ldp, const float* inv_sum,
+            int64_t r0, const OutRows<E>& out) {
+  constexpr int K = C * kSplit;
+  VecN acc[RT][K];
+  for (int r = 0; r < RT; ++r)
+    for (int k = 0; k < K; ++k) acc[r][k] = set1_n(0.0f);
+  const float* pr = p + r0 * ldp - rows.start;
+  for (int64_t t = rows.start; t < rows.len; ++t) {
+    const E* v = rows.row(t) + d0;
+    if (t + kPrefetchAhead < rows.len) prefetch_row(rows.row(t + kPrefetchAhead) + d0, 16 * C);
+    VecN vv[K];
+    for (int c = 0; c < C; ++c) {
+      const VecF x = load_elems(v + c * 16, masks[c]);
+      for (int s = 0; s < kSplit; ++s) vv[c * kSplit + s] = part(x, s);
     }
-    for (int r = 0; r < rt; ++r) {
-      const VecF inv = set1(inv_sum[r0 + r]);
-      E* o = out.row(r0 + r) + d0;
-      for (int c = 0; c < C; ++c) store_elems(o + c * 16, mul(acc[r][c], inv), masks[c]);
+    for (int r = 0; r < RT; ++r) {
+      const VecN w = set1_n(pr[r * ldp + t]);
+      for (int k = 0; k < K; ++k) acc[r][k] = fmadd(w, vv[k], acc[r][k]);
     }
   }
+  for (int r = 0; r < RT; ++r) {
+    const VecF inv = set1(inv_sum[r0 + r]);
+    E* o = out.row(r0 + r) + d0;
+    for (int c = 0; c < C; ++c) store_elems(o + c * 16, mul(join(&acc[r][c * kSplit]), inv), masks[c]);
+  }
+}
+
+// v_tile<C, rt> for 1 <= rt <= RT.
+template <int C, int RT, typename E>
+void v_rows(int rt, const VRows<E>& rows, int64_t d0, const Mask* masks, const float* p, int64_t ldp,
+            const float* inv_sum, int64_t r0, const OutRows<E>& out) {
+  if constexpr (RT > 1) {
+    if (rt < RT) return v_rows<C, RT - 1>(rt, rows, d0, masks, p, ldp, inv_sum, r0, out);
+  }
+  v_tile<C, RT>(rows, d0, masks, p, ldp, inv_sum, r0, out);
+}
+
+// out[r][d0, d0 + 16 C) for all R score rows, in tiles of rows_per_tile(C).
+template <int C, typename E>
+void accumulate_v(const VRows<E>& rows, int64_t d0, const float* p, int64_t ldp, const float* inv_sum, int64_t R,
+                  const OutRows<E>& out) {
+  constexpr int RT = rows_per_tile(C);
+  Mask masks[C];
+  for (int c = 0; c < C; ++c) masks[c] = tail_mask(rows.D - d0 - c * 16);
+  for (int64_t r0 = 0; r0 < R; r0 += RT)
+    v_rows<C, RT>(static_cast<int>(std::min<int64_t>(RT, R - r0)), rows, d0, masks, p, ldp, inv_sum, r0, out);
 }
 
 // accumulate_v<c> for 1 <= c <= C.
 template <int C, typename E>
-void accumulate_pass(int c, const VRows<E>& rows, int64_t d0, const float* p, const float* inv_sum, int64_t R,
-                     const OutRows<E>& out) {
+void accumulate_pass(int c, const VRows<E>& rows, int64_t d0, const float* p, int64_t ldp, const float* inv_sum,
+                     int64_t R, const OutRows<E>& out) {
   if constexpr (C > 1) {
-    if (c < C) return accumulate_pass<C - 1>(c, rows, d0, p, inv_sum, R, out);
+    if (c < C) return accumulate_pass<C - 1>(c, rows, d0, p, ldp, inv_sum, R, out);
   }
-  accumulate_v<C>(rows, d0, p, inv_sum, R, out);
+  accumulate_v<C>(rows, d0, p, ldp, inv_sum, R, out);
+}
+
+// ---- Q·K^T in register tiles ----------------------------------------------------------------
+//
+// The K rows of kPosBlock positions are transposed once into kt [d][kPosBlock] (positions in
+// lanes); then each tile of up to kScoreRows score rows x kPosBlock positions sums over d with one
+// broadcast of q per row and d, and kPosVecs loads of kt per d for all the tile's rows. Score
+// (r, t) is the sum over d = 0, 1, ... in order of q[r][d] * k[t][d] (fp32 multiply-adds from
+// zero), whatever the tile, the row count or the variant: a query row's scores have the same bits
+// alone (a decode) or among other rows (verification), and on avx2 and avx512. On avx512_bf16, bf16
+// tensors go through vdpbf16ps instead: kt holds bf16 pairs (d, d + 1) of 16 positions per
+// vector, q a bf16 pair per broadcast, and the sum (in vdpbf16ps' order) is scaled afterwards.
+constexpr int kPosVecs = 2;                             // VecN per score row in a tile
+constexpr int64_t kPosBlock = kPosVecs * 16 / kSplit;  // positions per block: 32 (AVX-512), 16 (AVX2)
+#if defined(PAGODA_AVX512)
+constexpr int kScoreRows = 12;  // 24 sums + 2 kt vectors + a broadcast of 32 registers
+#else
+constexpr int kScoreRows = 6;  // 12 sums + 2 + 1 of 16
+#endif
+constexpr int64_t kLaneN = 16 / kSplit;  // lanes of a VecN
+
+// s[r][0, kPosBlock) = sum_d qf[r][d] * kt[d][...] for RT rows (qf rows ldq apart, s rows lds apart).
+template <int RT>
+void score_tile(const float* kt, const float* qf, int64_t ldq, int64_t D, float* s, int64_t lds) {
+  VecN acc[RT][kPosVecs];
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < kPosVecs; ++v) acc[r][v] = set1_n(0.0f);
+  for (int64_t d = 0; d < D; ++d) {
+    VecN k[kPosVecs];
+    for (int v = 0; v < kPosVecs; ++v) k[v] = load_n(kt + d * kPosBlock + v * kLaneN);
+    for (int r = 0; r < RT; ++r) {
+      const VecN b = set1_n(qf[r * ldq + d]);
+      for (int v = 0; v < kPosVecs; ++v) acc[r][v] = fmadd(b, k[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < kPosVecs; ++v) store_n(s + r * lds + v * kLaneN, acc[r][v]);
+}
+
+#if defined(PAGODA_ISA_AVX512_BF16)
+// The same over bf16 pairs: kt2 [pair][kPosBlock] 32-bit pairs, qb rows of `pairs` bf16 pairs;
+// the sums are multiplied by `scale`.
+template <int RT>
+void score_tile_bf16(const float* kt2, const uint32_t* qb, int64_t ldq, int64_t pairs, float scale, float* s,
+                     int64_t lds) {
+  VecF acc[RT][kPosVecs];
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < kPosVecs; ++v) acc[r][v] = zero();
+  for (int64_t p = 0; p < pairs; ++p) {
+    VecF k[kPosVecs];
+    for (int v = 0; v < kPosVecs; ++v) k[v] = load(kt2 + p * kPosBlock + v * 16);
+    for (int r = 0; r < RT; ++r) {
+      const uint32_t b = qb[r * ldq + p];
+      for (int v = 0; v < kPosVecs; ++v) acc[r][v] = dot_bf16_pairs(acc[r][v], k[v], b);
+    }
+  }
+  const VecF sc = set1(scale);
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < kPosVecs; ++v) store(s + r * lds + v * 16, mul(acc[r][v], sc));
+}
+#endif
+
+// score_tile<rt> (or score_tile_bf16<rt>) for 1 <= rt <= RT.
+template <int RT, bool kBf16Pairs, typename Q>
+void score_rows(int rt, const float* kt, const Q* q, int64_t ldq, int64_t depth, float scale, float* s, int64_t lds) {
+  if constexpr (RT > 1) {
+    if (rt < RT) return score_rows<RT - 1, kBf16Pairs>(rt, kt, q, ldq, depth, scale, s, lds);
+  }
+#if defined(PAGODA_ISA_AVX512_BF16)
+  if constexpr (kBf16Pairs) {
+    score_tile_bf16<RT>(kt, q, ldq, depth, scale, s, lds);
+    return;
+  }
+#endif
+  if constexpr (!kBf16Pairs && std::is_same_v<Q, float>) score_tile<RT>(kt, q, ldq, depth, s, lds);
+}
+
+// Whether bf16 tensors of head_dim D take the vdpbf16ps scores (pairs need an even D).
+template <typename E>
+constexpr bool bf16_pair_scores() {
+#if defined(PAGODA_ISA_AVX512_BF16)
+  return std::is_same_v<E, uint16_t>;
+#else
+  return false;
+#endif
 }
 
 // q [T, H, D]: sequence b's query rows are query_start_loc[b] .. query_start_loc[b + 1] at its
@@ -329,10 +435,14 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
   E* op = elems<E>(out);
   const int64_t ldq = q.stride(0), ldh = q.stride(1);
   const float fscale = static_cast<float>(scale);
+  // vdpbf16ps scores for bf16 on avx512_bf16 (an odd head_dim keeps the fp32 ones).
+  const bool pairs = bf16_pair_scores<E>() && D % 2 == 0;
+  const int64_t P2 = D / 2, CG = (P2 + 15) / 16;  // bf16 pairs of a row, groups of 16 pairs
   at::parallel_for(0, num_tiles * Hkv, 1, [&](int64_t i0, int64_t i1) {
     const int64_t max_rows = tile_rows * G;
-    std::vector<float> qf(static_cast<size_t>(max_rows * C * 16));  // scaled query rows, fp32
-    std::vector<float> kf(static_cast<size_t>(16 * C * 16));
+    std::vector<float> qf(static_cast<size_t>(pairs ? 0 : max_rows * C * 16));  // scaled query rows, fp32
+    std::vector<uint32_t> qb(static_cast<size_t>(pairs ? max_rows * P2 : 0));   // query rows as bf16 pairs
+    std::vector<float> kt(static_cast<size_t>(C * 16 * kPosBlock));             // K^T of one block
     std::vector<float> scores;
     std::vector<int64_t> offsets;
     std::vector<float> inv_sum(static_cast<size_t>(max_rows));
@@ -347,14 +457,20 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
       const auto lo = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, pos0 + i - window + 1) : int64_t{0}; };
       const int64_t start = lo(0);
       const int64_t n = len - start;
+      const int64_t ns = (n + kPosBlock - 1) / kPosBlock * kPosBlock;  // score row stride
       const int32_t* table = tables + b * ldt;
       for (int64_t i = 0; i < Q; ++i)
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t c = 0; c < C; ++c)
-            store(qf.data() + ((i * G + g) * C + c) * 16,
-                  mul(load_elems(qp + (first + i) * ldq + (h * G + g) * ldh + c * 16, tail_mask(D - c * 16)),
-                      set1(fscale)));
-      scores.resize(static_cast<size_t>(R * n));
+        for (int64_t g = 0; g < G; ++g) {
+          const E* qrow = qp + (first + i) * ldq + (h * G + g) * ldh;
+          if (pairs) {
+            std::memcpy(qb.data() + (i * G + g) * P2, qrow, static_cast<size_t>(P2) * sizeof(uint32_t));
+          } else {
+            for (int64_t c = 0; c < C; ++c)
+              store(qf.data() + ((i * G + g) * C + c) * 16,
+                    mul(load_elems(qrow + c * 16, tail_mask(D - c * 16)), set1(fscale)));
+          }
+        }
+      scores.resize(static_cast<size_t>(R * ns));
       offsets.resize(static_cast<size_t>(n));
       for (int64_t t = start, j = start / bs, slot = start % bs; t < len; ++t) {  // no division per position
         offsets[t - start] = ((static_cast<int64_t>(table[j]) * bs + slot) * Hkv + h) * D;
@@ -363,30 +479,44 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
           ++j;
         }
       }
-      // Scores 16 positions at a time: widen their K rows once, then one vector of 16 sums per
-      // score row (no horizontal reduction per position).
-      for (int64_t t0 = start; t0 < len; t0 += 16) {
-        const int64_t count = std::min<int64_t>(16, len - t0);
-        for (int64_t t = t0 + 16; t < std::min(len, t0 + 32); ++t) prefetch_row(kc + offsets[t - start], D);
-        for (int64_t j = 0; j < 16; ++j) {
-          const int64_t t = t0 + std::min(j, count - 1);  // pad with the last position
-          const E* k = kc + offsets[t - start];
-          for (int64_t c = 0; c < C; ++c) store(kf.data() + (j * C + c) * 16, load_elems(k + c * 16, tail_mask(D - c * 16)));
-        }
-        for (int64_t r = 0; r < R; ++r) {
-          VecF dots[16];
-          for (int j = 0; j < 16; ++j) dots[j] = zero();
-          for (int64_t c = 0; c < C; ++c) {
-            const VecF qv = load(qf.data() + (r * C + c) * 16);
-            for (int j = 0; j < 16; ++j) dots[j] = fmadd(qv, load(kf.data() + (j * C + c) * 16), dots[j]);
+      for (int64_t t0 = start; t0 < len; t0 += kPosBlock) {
+        for (int64_t t = t0 + kPosBlock; t < std::min(len, t0 + 2 * kPosBlock); ++t)
+          prefetch_row(kc + offsets[t - start], D);
+        // kt = K^T of positions [t0, t0 + kPosBlock) (zero rows past len): 16 x 16 blocks of fp32
+        // values, or of bf16 pairs as 32-bit lanes.
+        const int64_t groups = pairs ? CG : C;
+        for (int64_t half = 0; half < kPosBlock / 16; ++half)
+          for (int64_t c = 0; c < groups; ++c) {
+            VecF v[16];
+            for (int64_t j = 0; j < 16; ++j) {
+              const int64_t t = t0 + half * 16 + j;
+              if (t >= len) {
+                v[j] = zero();
+              } else if (pairs) {
+                v[j] = load(reinterpret_cast<const float*>(kc + offsets[t - start]) + c * 16, tail_mask(P2 - c * 16));
+              } else {
+                v[j] = load_elems(kc + offsets[t - start] + c * 16, tail_mask(D - c * 16));
+              }
+            }
+            transpose16(v);
+            for (int64_t i = 0; i < 16; ++i) store(kt.data() + (c * 16 + i) * kPosBlock + half * 16, v[i]);
           }
-          store(scores.data() + r * n + (t0 - start), transpose_sum16(dots), tail_mask(count));
+        float* s = scores.data() + (t0 - start);
+        for (int64_t r0 = 0; r0 < R; r0 += kScoreRows) {
+          const int rt = static_cast<int>(std::min<int64_t>(kScoreRows, R - r0));
+          if (pairs) {
+            score_rows<kScoreRows, bf16_pair_scores<E>()>(rt, kt.data(), qb.data() + r0 * P2, P2, P2, fscale,
+                                                          s + r0 * ns, ns);
+          } else {
+            score_rows<kScoreRows, false>(rt, kt.data(), qf.data() + r0 * C * 16, C * 16, D, fscale, s + r0 * ns,
+                                          ns);
+          }
         }
       }
       // Softmax numerators in place, exact zeros outside the row's [lo, p]; the division by
       // their sum is applied to the output.
       for (int64_t r = 0; r < R; ++r) {
-        float* s = scores.data() + r * n;
+        float* s = scores.data() + r * ns;
         const int64_t i = r / G, valid_lo = lo(i) - start, valid_hi = i + 1 + (pos0 - start);
         VecF mx = set1(-INFINITY);
         for (int64_t t = valid_lo; t < valid_hi; t += 16) {
@@ -407,9 +537,12 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
       }
       const VRows<E> rows{vc, offsets.data(), D, start, len};
       const OutRows<E> out_rows{op + (first * H + h * G) * D, G, H * D, D};
-      for (int64_t d0 = 0; d0 < D; d0 += 16 * kPassVecs) {
-        const int c = static_cast<int>(std::min<int64_t>(kPassVecs, (D - d0 + 15) / 16));
-        accumulate_pass<kPassVecs>(c, rows, d0, scores.data(), inv_sum.data(), R, out_rows);
+      // Several score rows take passes of at most 4 vectors (more rows per V load); one or two
+      // take the whole head per pass (each V row read once).
+      const int pass = R >= rows_per_tile(4) ? std::min(kPassVecs, 4) : kPassVecs;
+      for (int64_t d0 = 0; d0 < D; d0 += 16 * pass) {
+        const int c = static_cast<int>(std::min<int64_t>(pass, (D - d0 + 15) / 16));
+        accumulate_pass<kPassVecs>(c, rows, d0, scores.data(), ns, inv_sum.data(), R, out_rows);
       }
     }
   });

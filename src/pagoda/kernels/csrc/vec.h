@@ -112,6 +112,9 @@ inline void store_n(float* p, VecN v) { _mm512_storeu_ps(p, v); }
 // Part s of load_bf16_firsts / load_bf16_seconds.
 inline VecN load_bf16_firsts_n(const uint16_t* p, int) { return load_bf16_firsts(p); }
 inline VecN load_bf16_seconds_n(const uint16_t* p, int) { return load_bf16_seconds(p); }
+// Register s of a VecF, and a VecF from its kSplit registers.
+inline VecN part(VecF v, int) { return v; }
+inline VecF join(const VecN* parts) { return parts[0]; }
 
 #if defined(PAGODA_ISA_AVX512_BF16)
 // acc[i] += a[2i + 1] * b[1] + a[2i] * b[0] for the 16 bf16 pairs at `a` and one bf16 pair `b`
@@ -119,6 +122,10 @@ inline VecN load_bf16_seconds_n(const uint16_t* p, int) { return load_bf16_secon
 // order, so results differ from the fp32 multiply-adds in the last bits).
 inline VecF dot_bf16_pairs(VecF acc, const uint16_t* a, uint32_t b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_set1_epi32(static_cast<int>(b)));
+}
+// The same with the 16 pairs already in a register (as the bit pattern of a VecF).
+inline VecF dot_bf16_pairs(VecF acc, VecF a, uint32_t b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(a), (__m512bh)_mm512_set1_epi32(static_cast<int>(b)));
 }
 #endif
 
@@ -244,6 +251,8 @@ inline VecN set1_n(float v) { return _mm256_set1_ps(v); }
 inline VecN load_n(const float* p) { return _mm256_loadu_ps(p); }
 inline VecN fmadd(VecN a, VecN b, VecN c) { return _mm256_fmadd_ps(a, b, c); }
 inline void store_n(float* p, VecN v) { _mm256_storeu_ps(p, v); }
+inline VecN part(VecF v, int s) { return s ? v.hi : v.lo; }
+inline VecF join(const VecN* parts) { return {parts[0], parts[1]}; }
 inline VecN load_bf16_firsts_n(const uint16_t* p, int s) {
   return widen_low_half(_mm256_loadu_si256((const __m256i*)(p + 16 * s)));
 }
@@ -329,6 +338,31 @@ inline VecF transpose_sum16(const VecF v[16]) {
   const VecF s01 = add(even_blocks(b[0], b[1]), odd_blocks(b[0], b[1]));
   const VecF s23 = add(even_blocks(b[2], b[3]), odd_blocks(b[2], b[3]));
   return add(even_blocks(s01, s23), odd_blocks(s01, s23));
+}
+
+// Transposes the 16 x 16 block whose row j is v[j] in place (lane i of v[j] moves to lane j of
+// v[i]); it only moves 32-bit lanes, so it also transposes bf16 pairs held as fp32 bit patterns.
+inline void transpose16(VecF v[16]) {
+  VecF t[16];
+  for (int i = 0; i < 8; ++i) {  // t[2i], t[2i + 1]: rows 2i, 2i + 1 interleaved
+    t[2 * i] = unpacklo(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = unpackhi(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // v[4i + c]: block k holds rows 4i .. 4i + 3 at column 4k + c
+    v[4 * i] = unpacklo64(t[4 * i], t[4 * i + 2]);
+    v[4 * i + 1] = unpackhi64(t[4 * i], t[4 * i + 2]);
+    v[4 * i + 2] = unpacklo64(t[4 * i + 1], t[4 * i + 3]);
+    v[4 * i + 3] = unpackhi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // gather block k of v[c], v[4 + c], v[8 + c], v[12 + c] as row 4k + c
+    const VecF p0 = even_blocks(v[c], v[4 + c]), p1 = odd_blocks(v[c], v[4 + c]);
+    const VecF q0 = even_blocks(v[8 + c], v[12 + c]), q1 = odd_blocks(v[8 + c], v[12 + c]);
+    t[c] = even_blocks(p0, q0);
+    t[8 + c] = odd_blocks(p0, q0);
+    t[4 + c] = even_blocks(p1, q1);
+    t[12 + c] = odd_blocks(p1, q1);
+  }
+  for (int i = 0; i < 16; ++i) v[i] = t[i];
 }
 
 // exp by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (relative error ~2e-7, far
