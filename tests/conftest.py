@@ -76,6 +76,20 @@ def pagoda_server(tiny_llama_dir: str):
     assert code == 0, f"pagoda serve exited with {code}; log:\n{server.log()[-3000:]}"
 
 
+@pytest.fixture(scope="session")
+def openai_client(pagoda_server: str):
+    """The official `openai` client on the shared server (no retries, a 60 s timeout)."""
+    import openai
+
+    return openai.OpenAI(base_url=pagoda_server + "/v1", api_key="unused", max_retries=0, timeout=60.0)
+
+
+@pytest.fixture(scope="session")
+def served_model(openai_client) -> str:
+    """The shared server's model name (its /v1/models)."""
+    return openai_client.models.list().data[0].id
+
+
 @pytest.fixture(scope="module")
 def pagoda_server_factory():
     """`start(model_dir, **flags) -> base_url`: a server with `--flag value` per keyword (True: `--flag`,

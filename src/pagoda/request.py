@@ -12,7 +12,6 @@ from pagoda.sampling_params import SamplingParams
 if TYPE_CHECKING:  # annotations only: the scheduler and the KV cache load neither torch nor a grammar library
     import torch
 
-    from pagoda.spec.prediction import Prediction
     from pagoda.structured.interface import GrammarMatcher
 
 
@@ -66,13 +65,10 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.grammar: GrammarMatcher | None = None  # structured-output state, advanced by the engine core
-        self.prediction: Prediction | None = None  # SamplingParams.prediction, advanced by the drafter
-        # Jump-forward: trailing tokens the grammar forces, appended unverified. They are computed
-        # with the next step and kept only as far as sampling would have picked them too.
+        # Drafts (spec/drafter.py): trailing tokens appended unverified. They are computed with the
+        # next step and kept only as far as sampling would have picked them too. What the
+        # proposers keep about a request (prediction, n-gram index, q) is the drafter's record.
         self.num_draft_tokens = 0
-        # float32 [num_draft_tokens, vocab]: q of each draft when a draft model drew them at random
-        # (the rejection sampler's input), else None. Set and cleared with the drafts.
-        self.draft_probs: torch.Tensor | None = None
         # Prompt logprobs (SamplingParams.prompt_logprobs): entries filled by the engine core
         # position by position as prompt chunks are computed; `prompt_logprobs_next` is the next
         # position still owed (None once all are in, or when none were asked). The samples of an
@@ -120,14 +116,13 @@ class Request:
         self.token_ids.append(token_id)
 
     def drop_drafts(self) -> None:
-        """Forget unverified jump-forward tokens (the scheduler rewinds num_computed_tokens)."""
+        """Forget the unverified draft tokens (the scheduler rewinds num_computed_tokens)."""
         k = self.num_draft_tokens
         if k:
             del self.token_ids[-k:]
             if self.grammar is not None:
                 self.grammar.rollback(k)
             self.num_draft_tokens = 0
-            self.draft_probs = None
 
     def check_stop(self, max_model_len: int) -> bool:
         """After a token was appended: set the finish reason if generation must end here."""

@@ -68,6 +68,3 @@ class SampledTokens:
     tokens: list[int]
     num_accepted_drafts: int = 0
     drafts: list[int] = field(default_factory=list)
-    # float32 [len(drafts), vocab]: the distribution each draft was drawn from (the draft model's,
-    # for a random request; one-hot rows for deterministic drafts before it), else None.
-    draft_probs: torch.Tensor | None = None

@@ -29,6 +29,24 @@ def _check(pool: BlockPool, tree: RadixCache, held: dict[int, list[int]]) -> Non
     assert unlocked == tree.evictable_blocks
 
 
+def test_find_changes_nothing_and_claim_splits_as_match_does():
+    pool = BlockPool(16)
+    tree = RadixCache(pool, BS)
+    a = list(range(12))
+    blocks = pool.allocate(3)
+    node = tree.insert(tree.root(None), a, blocks)
+    stamp = node.last_access
+    found = tree.find(a[:8] + [99] * 4)
+    assert found.blocks == blocks[:2] and found.inside is node and found.inside_blocks == 2
+    assert len(node.blocks) == 3 and node.last_access == stamp  # not split, not touched
+    upper = tree.claim(found)
+    assert upper is node.parent and upper.blocks == blocks[:2] and node.blocks == blocks[2:]
+    assert upper.last_access > stamp
+    assert tree.find(a).num_blocks == 3 and tree.find(a, "other salt").node is None
+    assert tree.claim(tree.find([1], "new salt")) is tree.root("new salt")
+    _check(pool, tree, {0: blocks})
+
+
 def test_match_insert_split_and_evict():
     pool = BlockPool(16)
     tree = RadixCache(pool, BS)

@@ -149,53 +149,59 @@ def test_leaving_the_loop_early_aborts_the_request(engine: LLMEngine) -> None:
     assert outs[-1].finished and outs[-1].outputs[-1].finish_reason == "length"
 
 
-def test_full_waiting_queue_raises_overloaded(engine: LLMEngine) -> None:
-    hold, held, release = threading.Event(), threading.Event(), threading.Event()
+class _Parking:
+    """An `on_step` observer that can park the engine thread after a step, so that adds queue up
+    meanwhile; it keeps every output the engine publishes."""
 
-    def on_step(_outs, _stats) -> None:
-        if hold.is_set():  # park the engine thread after a step, so adds queue up meanwhile
-            held.set()
-            release.wait(30)
+    def __init__(self) -> None:
+        self.hold, self.held, self.release = threading.Event(), threading.Event(), threading.Event()
+        self.published: list[RequestOutput] = []
 
-    async def test(llm: AsyncLLM):
+    def on_step(self, outs, _stats) -> None:
+        self.published.extend(outs)
+        if self.hold.is_set():
+            self.held.set()
+            self.release.wait(30)
+
+    async def park(self, llm: AsyncLLM):
+        """Start a long request and park the engine after a step of it; returns its stream (the
+        engine runs on once `release` is set)."""
         long = await llm.add_requests(["long"], ["Go on and on"], LONG)
         await anext(long)
-        hold.set()
-        await asyncio.to_thread(held.wait, 30)
-        hold.clear()
+        self.hold.set()
+        await asyncio.to_thread(self.held.wait, 30)
+        self.hold.clear()
+        return long
+
+
+def test_full_waiting_queue_raises_overloaded(engine: LLMEngine) -> None:
+    parking = _Parking()
+
+    async def test(llm: AsyncLLM):
+        long = await parking.park(llm)
         adds = [asyncio.create_task(llm.add_requests([f"r{i}"], ["Hi"], GREEDY)) for i in range(3)]
         await asyncio.sleep(0.05)  # every add is in the engine's command queue now
-        release.set()
+        parking.release.set()
         results = await asyncio.gather(*adds, return_exceptions=True)
         long.abort()
         return results
 
-    accepted, *rejected = _run(engine, test, max_waiting_requests=1, on_step=on_step)
+    accepted, *rejected = _run(engine, test, max_waiting_requests=1, on_step=parking.on_step)
     assert not isinstance(accepted, BaseException)
     assert all(isinstance(r, EngineOverloadedError) for r in rejected), rejected
     assert "max_waiting_requests=1" in str(rejected[0])
 
 
 def test_cancelled_while_being_added_is_aborted(engine: LLMEngine) -> None:
-    hold, held, release = threading.Event(), threading.Event(), threading.Event()
-    published: list[RequestOutput] = []
-
-    def on_step(outs, _stats) -> None:
-        published.extend(outs)
-        if hold.is_set():
-            held.set()
-            release.wait(30)
+    parking = _Parking()
+    published = parking.published
 
     async def test(llm: AsyncLLM):
-        long = await llm.add_requests(["long"], ["Go on and on"], LONG)
-        await anext(long)
-        hold.set()
-        await asyncio.to_thread(held.wait, 30)
-        hold.clear()
+        long = await parking.park(llm)
         add = asyncio.create_task(llm.add_requests(["late"], ["Hi"], LONG))
         await asyncio.sleep(0.05)
         add.cancel()  # the add is queued but not yet accepted
-        release.set()
+        parking.release.set()
         with pytest.raises(asyncio.CancelledError):
             await add
         for _ in range(500):
@@ -204,7 +210,7 @@ def test_cancelled_while_being_added_is_aborted(engine: LLMEngine) -> None:
             await asyncio.sleep(0.01)
         long.abort()
 
-    _run(engine, test, on_step=on_step)
+    _run(engine, test, on_step=parking.on_step)
     (final,) = [o for o in published if o.request_id == "late" and o.finished]
     assert final.outputs[0].finish_reason == "abort"
 

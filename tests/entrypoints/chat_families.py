@@ -6,7 +6,9 @@ published prompt formats; the special tokens are added to the byte-level test to
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,8 +17,7 @@ from tokenizers import AddedToken
 
 from pagoda.models.synthetic import build_random_model
 from pagoda.tokenizer import load_tokenizer
-
-_DIMS = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=384)
+from tiny_models import TINY_DIMS
 
 # ---- Qwen (ChatML): hermes calls, <think> reasoning -------------------------------------------------
 _QWEN_TOOLS = (
@@ -205,7 +206,7 @@ def build_family_model(root: Path, name: str, seed: int = 0) -> str:
     out = build_random_model(
         root / name,
         family.architecture,
-        **_DIMS,
+        **TINY_DIMS,
         tie_word_embeddings=False,
         dtype=torch.float32,
         seed=seed,
@@ -220,7 +221,7 @@ def build_family_model(root: Path, name: str, seed: int = 0) -> str:
         tokenizer.add_tokens(
             [AddedToken(t, special=True, normalized=False) for t in family.special], special_tokens=True
         )
-    assert len(tokenizer) <= _DIMS["vocab_size"]
+    assert len(tokenizer) <= TINY_DIMS["vocab_size"]
     if family.bos is not None:
         tokenizer.bos_token = family.bos
     tokenizer.eos_token = family.eos[0]
@@ -258,3 +259,8 @@ RENDERED = {
     ),
     "mistral_v11": ('[TOOL_CALLS]get_time[ARGS]{"tz": "utc"}', "[TOOL_RESULTS]22C[/TOOL_RESULTS]"),
 }
+
+
+def family_models(root: Path) -> Callable[[str], str]:
+    """`get(name)`: family `name`'s tiny model folder under `root`, built on its first use."""
+    return functools.cache(functools.partial(build_family_model, root))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from chat_families import FAMILIES, RENDERED, build_family_model
+from chat_families import FAMILIES, RENDERED, family_models
 
 from pagoda.entrypoints import serve_cli
 from pagoda.entrypoints.cli import build_parser, main
@@ -61,15 +61,7 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def family_dir(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("templates")
-    cache: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in cache:
-            cache[name] = build_family_model(root, name)
-        return cache[name]
-
-    return get
+    return family_models(tmp_path_factory.mktemp("templates"))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

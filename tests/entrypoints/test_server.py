@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pagoda.tokenizer import load_tokenizer
 from server_utils import ServerProcess, flags_to_args, metrics, parse_metrics, wait_idle
@@ -22,21 +23,6 @@ TIMEOUT = 60.0
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 ABORTED = 'vllm:request_success_total{finished_reason="abort"}'
 HI = [{"role": "user", "content": "Hi"}]
-
-
-@pytest.fixture(scope="module")
-def base(pagoda_server: str) -> str:
-    return pagoda_server
-
-
-@pytest.fixture(scope="module")
-def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")
@@ -75,51 +61,44 @@ def _stream_chat(client: openai.OpenAI, **kw) -> tuple[dict[int, str], list]:
 
 
 # ---- basics -------------------------------------------------------------------------------------------
-def test_health_models_and_version_fields(base: str, model: str, tiny_llama_dir: str) -> None:
-    assert httpx.get(base + "/health", timeout=TIMEOUT).status_code == 200
-    listing = httpx.get(base + "/v1/models", timeout=TIMEOUT).json()
+def test_health_models_and_version_fields(pagoda_server: str, served_model: str, tiny_llama_dir: str) -> None:
+    assert httpx.get(pagoda_server + "/health", timeout=TIMEOUT).status_code == 200
+    listing = httpx.get(pagoda_server + "/v1/models", timeout=TIMEOUT).json()
     assert listing["object"] == "list"
     (card,) = listing["data"]
-    assert card["id"] == model == tiny_llama_dir
+    assert card["id"] == served_model == tiny_llama_dir
     assert card["max_model_len"] == 512
 
 
-def test_completion_usage_counts_tokens(client: openai.OpenAI, model: str, tokenizer) -> None:
+def test_completion_usage_counts_tokens(openai_client: openai.OpenAI, served_model: str, tokenizer) -> None:
     prompt = "Hello world, this is a test"
-    out = client.completions.create(model=model, prompt=prompt, max_tokens=7, **GREEDY)
+    out = openai_client.completions.create(model=served_model, prompt=prompt, max_tokens=7, **GREEDY)
     (choice,) = out.choices
-    assert out.object == "text_completion" and out.model == model
+    assert out.object == "text_completion" and out.model == served_model
     assert choice.finish_reason == "length"
     assert out.usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
     assert out.usage.completion_tokens == 7
     assert out.usage.total_tokens == out.usage.prompt_tokens + 7
 
 
-def test_streamed_text_equals_non_streamed(client: openai.OpenAI, model: str) -> None:
+def test_streamed_text_equals_non_streamed(openai_client: openai.OpenAI, served_model: str) -> None:
     for prompt in ("The quick brown fox", "你好，世界 😀", [5, 17, 200, 31]):
-        whole = client.completions.create(model=model, prompt=prompt, max_tokens=24, **GREEDY)
-        texts, chunks = _stream_completion(client, model=model, prompt=prompt, max_tokens=24, **GREEDY)
+        whole = openai_client.completions.create(model=served_model, prompt=prompt, max_tokens=24, **GREEDY)
+        texts, chunks = _stream_completion(
+            openai_client, model=served_model, prompt=prompt, max_tokens=24, **GREEDY
+        )
         assert texts == {0: whole.choices[0].text}
         assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def _byte_token(tokenizer, byte: int) -> int:
     """The id of the byte-level (GPT-2 alphabet) token that stands for one byte."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    if byte in printable:
-        char = chr(byte)
-    else:
-        char = chr(256 + [b for b in range(256) if b not in printable].index(byte))
-    return tokenizer.convert_tokens_to_ids(char)
+    return tokenizer.convert_tokens_to_ids(bytes_to_unicode()[byte])
 
 
 @pytest.mark.parametrize(("leads", "num_bytes"), [((0xE4, 0xE5, 0xE6, 0xE7, 0xE8, 0xE9), 3), ((0xF0,), 4)])
 def test_streamed_multibyte_output_equals_non_streamed(
-    client: openai.OpenAI, model: str, tokenizer, leads: tuple[int, ...], num_bytes: int
+    openai_client: openai.OpenAI, served_model: str, tokenizer, leads: tuple[int, ...], num_bytes: int
 ) -> None:
     # The tiny tokenizer has one token per byte, so a CJK character (3 bytes) or an emoji (4 bytes)
     # always spans several tokens, and so several stream chunks. Biases restrict sampling to lead and
@@ -127,7 +106,7 @@ def test_streamed_multibyte_output_equals_non_streamed(
     bias = {str(_byte_token(tokenizer, b)): 97.0 for b in range(0x80, 0xC0)}
     bias |= {str(_byte_token(tokenizer, lead)): 100.0 for lead in leads}
     kw = {
-        "model": model,
+        "model": served_model,
         "max_tokens": 24,
         "temperature": 1.0,
         "logit_bias": bias,
@@ -135,15 +114,17 @@ def test_streamed_multibyte_output_equals_non_streamed(
     }
     messages = [{"role": "user", "content": "Say it"}]
     for seed in range(10):
-        whole = client.completions.create(prompt="Say it:", seed=seed, **kw).choices[0].text
+        whole = openai_client.completions.create(prompt="Say it:", seed=seed, **kw).choices[0].text
         if _has_char_of_length(whole, num_bytes):
             break
     else:
         pytest.fail(f"no output with a {num_bytes}-byte character in 10 seeds")
-    texts, _ = _stream_completion(client, prompt="Say it:", seed=seed, **kw)
+    texts, _ = _stream_completion(openai_client, prompt="Say it:", seed=seed, **kw)
     assert texts == {0: whole}
-    whole = client.chat.completions.create(messages=messages, seed=seed, **kw).choices[0].message.content
-    texts, _ = _stream_chat(client, messages=messages, seed=seed, **kw)
+    whole = (
+        openai_client.chat.completions.create(messages=messages, seed=seed, **kw).choices[0].message.content
+    )
+    texts, _ = _stream_chat(openai_client, messages=messages, seed=seed, **kw)
     assert texts == {0: whole}
 
 
@@ -151,9 +132,9 @@ def _has_char_of_length(text: str, num_bytes: int) -> bool:
     return any(len(ch.encode()) == num_bytes and ch != "\ufffd" for ch in text)
 
 
-def test_raw_stream_format_and_usage(base: str, model: str) -> None:
+def test_raw_stream_format_and_usage(pagoda_server: str, served_model: str) -> None:
     body = {
-        "model": model,
+        "model": served_model,
         "prompt": "Hello",
         "max_tokens": 5,
         "temperature": 0,
@@ -161,7 +142,7 @@ def test_raw_stream_format_and_usage(base: str, model: str) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    response = _post(base, "/v1/completions", body)
+    response = _post(pagoda_server, "/v1/completions", body)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     events = _sse_events(response)
@@ -175,24 +156,26 @@ def test_raw_stream_format_and_usage(base: str, model: str) -> None:
     assert set(last["usage"]["prompt_tokens_details"]) == {"cached_tokens"}
     # Without include_usage no chunk carries a usage field.
     body.pop("stream_options")
-    events = _sse_events(_post(base, "/v1/completions", body))
+    events = _sse_events(_post(pagoda_server, "/v1/completions", body))
     assert events[-1] == "[DONE]" and all("usage" not in json.loads(e) for e in events[:-1])
 
 
-def test_chat_stream_and_non_stream(client: openai.OpenAI, model: str) -> None:
+def test_chat_stream_and_non_stream(openai_client: openai.OpenAI, served_model: str) -> None:
     messages = [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Hello there"},
         {"role": "assistant", "content": "Hi."},
         {"role": "user", "content": "And now?"},
     ]
-    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=12, **GREEDY)
+    whole = openai_client.chat.completions.create(
+        model=served_model, messages=messages, max_tokens=12, **GREEDY
+    )
     (choice,) = whole.choices
     assert whole.object == "chat.completion" and choice.message.role == "assistant"
     assert choice.finish_reason == "length" and whole.usage.completion_tokens == 12
     texts, chunks = _stream_chat(
-        client,
-        model=model,
+        openai_client,
+        model=served_model,
         messages=messages,
         max_completion_tokens=12,
         stream_options={"include_usage": True},
@@ -205,66 +188,75 @@ def test_chat_stream_and_non_stream(client: openai.OpenAI, model: str) -> None:
     assert chunks[-2].choices[0].finish_reason == "length"
 
 
-def test_echo(client: openai.OpenAI, model: str) -> None:
-    whole = client.completions.create(model=model, prompt="Echo me", max_tokens=4, echo=True, **GREEDY)
+def test_echo(openai_client: openai.OpenAI, served_model: str) -> None:
+    whole = openai_client.completions.create(
+        model=served_model, prompt="Echo me", max_tokens=4, echo=True, **GREEDY
+    )
     assert whole.choices[0].text.startswith("Echo me")
-    texts, _ = _stream_completion(client, model=model, prompt="Echo me", max_tokens=4, echo=True, **GREEDY)
+    texts, _ = _stream_completion(
+        openai_client, model=served_model, prompt="Echo me", max_tokens=4, echo=True, **GREEDY
+    )
     assert texts == {0: whole.choices[0].text}
 
 
 # ---- sampling -------------------------------------------------------------------------------------------
-def test_n_and_several_prompts(client: openai.OpenAI, model: str) -> None:
+def test_n_and_several_prompts(openai_client: openai.OpenAI, served_model: str) -> None:
     prompts = ["First prompt", "Second"]
     kw = {
-        "model": model,
+        "model": served_model,
         "n": 2,
         "max_tokens": 6,
         "temperature": 1.0,
         "seed": 3,
         "extra_body": {"ignore_eos": True},
     }
-    out = client.completions.create(prompt=prompts, **kw)
+    out = openai_client.completions.create(prompt=prompts, **kw)
     assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
     assert out.usage.completion_tokens == 24
     assert out.usage.prompt_tokens == sum(
-        client.completions.create(prompt=p, **kw).usage.prompt_tokens for p in prompts
+        openai_client.completions.create(prompt=p, **kw).usage.prompt_tokens for p in prompts
     )
-    texts, _ = _stream_completion(client, prompt=prompts, **kw)
+    texts, _ = _stream_completion(openai_client, prompt=prompts, **kw)
     assert texts == {c.index: c.text for c in out.choices}
     chat = dict(
-        model=model, messages=[{"role": "user", "content": "Hi"}], n=3, max_tokens=8, temperature=1.0, seed=11
+        model=served_model,
+        messages=[{"role": "user", "content": "Hi"}],
+        n=3,
+        max_tokens=8,
+        temperature=1.0,
+        seed=11,
     )
-    whole = client.chat.completions.create(**chat)
+    whole = openai_client.chat.completions.create(**chat)
     assert sorted(c.index for c in whole.choices) == [0, 1, 2]
-    texts, chunks = _stream_chat(client, **chat)
+    texts, chunks = _stream_chat(openai_client, **chat)
     assert texts == {c.index: c.message.content for c in whole.choices}
     assert {c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role} == {0, 1, 2}
 
 
-def test_seed_reproducibility(client: openai.OpenAI, model: str) -> None:
-    kw = {"model": model, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0}
-    a = client.completions.create(seed=7, **kw).choices[0].text
-    b = client.completions.create(seed=7, **kw).choices[0].text
-    c = client.completions.create(seed=8, **kw).choices[0].text
+def test_seed_reproducibility(openai_client: openai.OpenAI, served_model: str) -> None:
+    kw = {"model": served_model, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0}
+    a = openai_client.completions.create(seed=7, **kw).choices[0].text
+    b = openai_client.completions.create(seed=7, **kw).choices[0].text
+    c = openai_client.completions.create(seed=8, **kw).choices[0].text
     assert a == b
     assert a != c
 
 
-def test_stop_string(client: openai.OpenAI, model: str) -> None:
-    kw = {"model": model, "prompt": "Stop somewhere", **GREEDY}
-    text = client.completions.create(max_tokens=40, **kw).choices[0].text
+def test_stop_string(openai_client: openai.OpenAI, served_model: str) -> None:
+    kw = {"model": served_model, "prompt": "Stop somewhere", **GREEDY}
+    text = openai_client.completions.create(max_tokens=40, **kw).choices[0].text
     start = next(i for i in range(2, len(text) - 2) if "\ufffd" not in text[i - 1 : i + 2])
     stop = text[start : start + 2]
-    out = client.completions.create(max_tokens=40, stop=[stop], **kw).choices[0]
+    out = openai_client.completions.create(max_tokens=40, stop=[stop], **kw).choices[0]
     assert out.finish_reason == "stop"
     assert out.text == text[: text.index(stop)]
-    texts, chunks = _stream_completion(client, max_tokens=40, stop=stop, **kw)
+    texts, chunks = _stream_completion(openai_client, max_tokens=40, stop=stop, **kw)
     assert texts == {0: out.text} and chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_completion_logprobs(client: openai.OpenAI, model: str) -> None:
-    kw = {"model": model, "prompt": "Logprobs please", "max_tokens": 6, "logprobs": 3, **GREEDY}
-    out = client.completions.create(**kw).choices[0]
+def test_completion_logprobs(openai_client: openai.OpenAI, served_model: str) -> None:
+    kw = {"model": served_model, "prompt": "Logprobs please", "max_tokens": 6, "logprobs": 3, **GREEDY}
+    out = openai_client.completions.create(**kw).choices[0]
     lp = out.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
@@ -272,14 +264,14 @@ def test_completion_logprobs(client: openai.OpenAI, model: str) -> None:
         assert logprob == pytest.approx(max(top.values()))  # greedy: the chosen token is the most likely
         assert top[token] == pytest.approx(logprob)
     assert lp.text_offset == sorted(lp.text_offset)
-    _, chunks = _stream_completion(client, **kw)
+    _, chunks = _stream_completion(openai_client, **kw)
     streamed = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
     assert streamed == lp.tokens
 
 
-def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
-    out = client.chat.completions.create(
-        model=model,
+def test_chat_logprobs(openai_client: openai.OpenAI, served_model: str) -> None:
+    out = openai_client.chat.completions.create(
+        model=served_model,
         messages=[{"role": "user", "content": "Hi"}],
         max_tokens=5,
         logprobs=True,
@@ -295,14 +287,14 @@ def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
         assert item.bytes == list(item.token.encode())
 
 
-def test_extras_and_logit_bias(client: openai.OpenAI, model: str, tokenizer) -> None:
+def test_extras_and_logit_bias(openai_client: openai.OpenAI, served_model: str, tokenizer) -> None:
     target = tokenizer("Z", add_special_tokens=False)["input_ids"][0]
-    out = client.completions.create(
-        model=model, prompt="Anything", max_tokens=5, temperature=0.0, logit_bias={str(target): 100}
+    out = openai_client.completions.create(
+        model=served_model, prompt="Anything", max_tokens=5, temperature=0.0, logit_bias={str(target): 100}
     )
     assert out.choices[0].text == "ZZZZZ"
-    out = client.completions.create(
-        model=model,
+    out = openai_client.completions.create(
+        model=served_model,
         prompt="Anything",
         max_tokens=8,
         temperature=0.9,
@@ -320,8 +312,8 @@ def test_extras_and_logit_bias(client: openai.OpenAI, model: str, tokenizer) -> 
         },
     )
     assert out.usage.completion_tokens == 8
-    out = client.completions.create(
-        model=model,
+    out = openai_client.completions.create(
+        model=served_model,
         prompt="Anything",
         max_tokens=5,
         temperature=0.0,
@@ -332,35 +324,37 @@ def test_extras_and_logit_bias(client: openai.OpenAI, model: str, tokenizer) -> 
     assert out.choices[0].text == "" and out.usage.completion_tokens == 1
 
 
-def test_response_format_constrains_the_output(client: openai.OpenAI, model: str) -> None:
+def test_response_format_constrains_the_output(openai_client: openai.OpenAI, served_model: str) -> None:
     schema = {
         "type": "object",
         "properties": {"color": {"enum": ["red", "green"]}},
         "required": ["color"],
         "additionalProperties": False,
     }
-    kw = {"model": model, "messages": HI, "max_tokens": 60, "temperature": 0.0}
+    kw = {"model": served_model, "messages": HI, "max_tokens": 60, "temperature": 0.0}
     json_schema = {"type": "json_schema", "json_schema": {"name": "color", "schema": schema}}
-    out = client.chat.completions.create(response_format=json_schema, **kw).choices[0]
+    out = openai_client.chat.completions.create(response_format=json_schema, **kw).choices[0]
     assert out.finish_reason == "stop" and json.loads(out.message.content)["color"] in ("red", "green")
-    texts, _ = _stream_chat(client, response_format=json_schema, **kw)
+    texts, _ = _stream_chat(openai_client, response_format=json_schema, **kw)
     assert texts == {0: out.message.content}
     bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}}
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(response_format=bad, **kw)
+        openai_client.chat.completions.create(response_format=bad, **kw)
     # Any JSON object: a random model may not close it within max_tokens, but it must open one.
-    out = client.chat.completions.create(response_format={"type": "json_object"}, **kw).choices[0]
+    out = openai_client.chat.completions.create(response_format={"type": "json_object"}, **kw).choices[0]
     assert out.message.content.lstrip().startswith("{")
     if out.finish_reason == "stop":
         assert isinstance(json.loads(out.message.content), dict)
 
 
-def test_prefix_cache_hits_show_in_usage_and_metrics(client: openai.OpenAI, model: str, base: str) -> None:
+def test_prefix_cache_hits_show_in_usage_and_metrics(
+    openai_client: openai.OpenAI, served_model: str, pagoda_server: str
+) -> None:
     prompt = "A long shared prefix that spans several KV blocks of sixteen tokens each. " * 2
-    before = metrics(base)
-    first = client.completions.create(model=model, prompt=prompt, max_tokens=2, **GREEDY)
-    second = client.completions.create(model=model, prompt=prompt, max_tokens=2, **GREEDY)
-    after = metrics(base)
+    before = metrics(pagoda_server)
+    first = openai_client.completions.create(model=served_model, prompt=prompt, max_tokens=2, **GREEDY)
+    second = openai_client.completions.create(model=served_model, prompt=prompt, max_tokens=2, **GREEDY)
+    after = metrics(pagoda_server)
     num_prompt = first.usage.prompt_tokens
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached == num_prompt - 1 > 0  # token-granular: all but the last token (its logits are needed)
@@ -378,8 +372,8 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(client: openai.OpenAI, mode
     )
 
 
-def test_metrics_names(base: str) -> None:
-    text = httpx.get(base + "/metrics", timeout=TIMEOUT).text
+def test_metrics_names(pagoda_server: str) -> None:
+    text = httpx.get(pagoda_server + "/metrics", timeout=TIMEOUT).text
     for name in (
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
@@ -399,17 +393,17 @@ def test_metrics_names(base: str) -> None:
         assert f"\n{name}{{" in text, name
 
 
-def test_tokenize_and_detokenize(base: str, tokenizer) -> None:
-    out = _post(base, "/tokenize", {"prompt": "Hello world"}).json()
+def test_tokenize_and_detokenize(pagoda_server: str, tokenizer) -> None:
+    out = _post(pagoda_server, "/tokenize", {"prompt": "Hello world"}).json()
     assert out["tokens"] == tokenizer("Hello world")["input_ids"] and out["count"] == len(out["tokens"])
     assert out["max_model_len"] == 512
-    assert _post(base, "/detokenize", {"tokens": out["tokens"]}).json() == {"prompt": "Hello world"}
-    chat = _post(base, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert _post(pagoda_server, "/detokenize", {"tokens": out["tokens"]}).json() == {"prompt": "Hello world"}
+    chat = _post(pagoda_server, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}).json()
     expected = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
     assert chat["tokens"] == list(expected)
-    bad = _post(base, "/detokenize", {"tokens": [10**6]})
+    bad = _post(pagoda_server, "/detokenize", {"tokens": [10**6]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
@@ -478,8 +472,10 @@ def test_tokenize_and_detokenize(base: str, tokenizer) -> None:
         ),
     ],
 )
-def test_bad_requests_get_openai_errors(base: str, path: str, body: dict, status: int, param: str) -> None:
-    response = _post(base, path, body)
+def test_bad_requests_get_openai_errors(
+    pagoda_server: str, path: str, body: dict, status: int, param: str
+) -> None:
+    response = _post(pagoda_server, path, body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -487,39 +483,41 @@ def test_bad_requests_get_openai_errors(base: str, path: str, body: dict, status
     assert error["param"] is not None and error["param"].startswith(param), error
 
 
-def test_malformed_bodies_and_routes(base: str) -> None:
+def test_malformed_bodies_and_routes(pagoda_server: str) -> None:
     for response in (
-        _post(base, "/v1/completions", "{not json"),
-        _post(base, "/v1/completions", "[1, 2]"),
-        httpx.get(base + "/v1/nothing", timeout=TIMEOUT),
-        httpx.get(base + "/v1/completions", timeout=TIMEOUT),
+        _post(pagoda_server, "/v1/completions", "{not json"),
+        _post(pagoda_server, "/v1/completions", "[1, 2]"),
+        httpx.get(pagoda_server + "/v1/nothing", timeout=TIMEOUT),
+        httpx.get(pagoda_server + "/v1/completions", timeout=TIMEOUT),
     ):
         assert response.status_code in (400, 404, 405), response.text
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-    assert httpx.get(base + "/health", timeout=TIMEOUT).status_code == 200
+    assert httpx.get(pagoda_server + "/health", timeout=TIMEOUT).status_code == 200
 
 
 # ---- disconnects and concurrency ---------------------------------------------------------------------------
 LONG = {"prompt": "Go on and on", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 
 
-def test_disconnect_mid_stream_aborts_and_frees_blocks(base: str) -> None:
-    aborted = metrics(base).get(ABORTED, 0.0)
-    with httpx.stream("POST", base + "/v1/completions", json={**LONG, "stream": True}, timeout=TIMEOUT) as r:
+def test_disconnect_mid_stream_aborts_and_frees_blocks(pagoda_server: str) -> None:
+    aborted = metrics(pagoda_server).get(ABORTED, 0.0)
+    with httpx.stream(
+        "POST", pagoda_server + "/v1/completions", json={**LONG, "stream": True}, timeout=TIMEOUT
+    ) as r:
         assert r.status_code == 200
         events = 0
         for line in r.iter_lines():
             events += line.startswith("data: ")
             if events == 3:
                 break
-    m = wait_idle(base)
+    m = wait_idle(pagoda_server)
     assert m.get(ABORTED, 0.0) == aborted + 1
 
 
-def test_abandoned_non_streaming_request_is_aborted(base: str) -> None:
+def test_abandoned_non_streaming_request_is_aborted(pagoda_server: str) -> None:
     async def abandon(path: str, body: dict) -> None:
         """Send a long request, and drop the connection as soon as the server runs it."""
-        async with httpx.AsyncClient(base_url=base, timeout=TIMEOUT) as c:
+        async with httpx.AsyncClient(base_url=pagoda_server, timeout=TIMEOUT) as c:
             task = asyncio.create_task(c.post(path, json=body))
             deadline = time.monotonic() + TIMEOUT
             while parse_metrics((await c.get("/metrics")).text)["vllm:num_requests_running"] == 0:
@@ -528,30 +526,34 @@ def test_abandoned_non_streaming_request_is_aborted(base: str) -> None:
                 await asyncio.sleep(0.005)
             task.cancel()
 
-    aborted = metrics(base).get(ABORTED, 0.0)
+    aborted = metrics(pagoda_server).get(ABORTED, 0.0)
     asyncio.run(abandon("/v1/completions", LONG))
     chat = {"messages": HI, **{k: v for k, v in LONG.items() if k != "prompt"}}
     asyncio.run(abandon("/v1/chat/completions", chat))
-    m = wait_idle(base)
+    m = wait_idle(pagoda_server)
     assert m.get(ABORTED, 0.0) == aborted + 2
 
 
-def test_concurrent_streams_match_sequential_greedy(base: str, client: openai.OpenAI, model: str) -> None:
+def test_concurrent_streams_match_sequential_greedy(
+    pagoda_server: str, openai_client: openai.OpenAI, served_model: str
+) -> None:
     prompts = [f"Request {i}: tell me about {i * 7 % 13} things" for i in range(64)]
-    kw = {"model": model, "max_tokens": 10, **GREEDY}
-    sequential = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    kw = {"model": served_model, "max_tokens": 10, **GREEDY}
+    sequential = [openai_client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
 
     async def one(aclient: openai.AsyncOpenAI, prompt: str) -> str:
         stream = await aclient.completions.create(prompt=prompt, stream=True, **kw)
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def run_all() -> list[str]:
-        aclient = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+        aclient = openai.AsyncOpenAI(
+            base_url=pagoda_server + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT
+        )
         async with aclient:
             return await asyncio.wait_for(asyncio.gather(*(one(aclient, p) for p in prompts)), TIMEOUT * 2)
 
     assert asyncio.run(run_all()) == sequential
-    wait_idle(base)
+    wait_idle(pagoda_server)
 
 
 # ---- a second server: API key, overload, graceful shutdown -----------------------------------------------------

@@ -8,23 +8,12 @@ import functools
 import json
 
 import httpx
-import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 TIMEOUT = 60.0
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def base(pagoda_server: str) -> str:
-    return pagoda_server
-
-
-@pytest.fixture(scope="module")
-def model(base: str) -> str:
-    return httpx.get(base + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"]
 
 
 @pytest.fixture(scope="module")
@@ -62,30 +51,30 @@ def check_vllm_entries(reference, prompt: list[int], entries: list, k: int, star
             assert abs(lp - v) < TOL
 
 
-def test_completions_prompt_logprobs(base, model, reference):
+def test_completions_prompt_logprobs(pagoda_server, served_model, reference):
     prompt = "The quick brown fox jumps over the lazy dog"
-    ids = _tokens(base, model, prompt=prompt)
-    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
-    data = _post(base, "/v1/completions", body).json()
+    ids = _tokens(pagoda_server, served_model, prompt=prompt)
+    body = {"model": served_model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    data = _post(pagoda_server, "/v1/completions", body).json()
     (choice,) = data["choices"]
     check_vllm_entries(reference, ids, choice["prompt_logprobs"], 2)
     assert choice["logprobs"] is None and data["usage"]["completion_tokens"] == 2
     # Several prompts as token ids, and a start position: the prefix before it is a cache hit.
     prompts = [ids, ids[:5] + [7, 8, 9]]
     body = {**body, "prompt": prompts, "prompt_logprobs": 0, "logprob_start_len": 4}
-    data = _post(base, "/v1/completions", body).json()
+    data = _post(pagoda_server, "/v1/completions", body).json()
     for choice in sorted(data["choices"], key=lambda c: c["index"]):
         check_vllm_entries(reference, prompts[choice["index"]], choice["prompt_logprobs"], 0, start=4)
 
 
-def test_echo_with_logprobs(base, model, reference):
-    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+def test_echo_with_logprobs(pagoda_server, openai_client, served_model, reference):
+    client = openai_client
     prompt = "Hello there, general"
-    ids = _tokens(base, model, prompt=prompt)
+    ids = _tokens(pagoda_server, served_model, prompt=prompt)
     ref = reference(tuple(ids))
     for max_tokens in (3, 0):
         out = client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, echo=True, logprobs=1
+            model=served_model, prompt=prompt, max_tokens=max_tokens, temperature=0, echo=True, logprobs=1
         )
         (choice,) = out.choices
         lp = choice.logprobs
@@ -102,7 +91,7 @@ def test_echo_with_logprobs(base, model, reference):
     # Streamed: the first chunk carries the echoed prompt and its logprobs.
     chunks = list(
         client.completions.create(
-            model=model, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=0, stream=True
+            model=served_model, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=0, stream=True
         )
     )
     first = chunks[0].choices[0]
@@ -113,11 +102,17 @@ def test_echo_with_logprobs(base, model, reference):
     assert all(abs(streamed[i] - ref[i - 1, ids[i]].item()) < TOL for i in range(1, len(ids)))
 
 
-def test_chat_prompt_logprobs(base, model, reference):
+def test_chat_prompt_logprobs(pagoda_server, served_model, reference):
     messages = [{"role": "user", "content": "Hi, how are you?"}]
-    ids = _tokens(base, model, messages=messages)
-    body = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}
-    data = _post(base, "/v1/chat/completions", body).json()
+    ids = _tokens(pagoda_server, served_model, messages=messages)
+    body = {
+        "model": served_model,
+        "messages": messages,
+        "max_tokens": 1,
+        "temperature": 0,
+        "prompt_logprobs": 1,
+    }
+    data = _post(pagoda_server, "/v1/chat/completions", body).json()
     check_vllm_entries(reference, ids, data["prompt_logprobs"], 1)
 
 
@@ -134,36 +129,36 @@ def test_chat_prompt_logprobs(base, model, reference):
         ("/v1/chat/completions", {"prompt_logprobs": 0, "logprob_start_len": 500}, "logprob_start_len"),
     ],
 )
-def test_errors_name_the_field(base, model, path, extra, param):
-    body = {"model": model, "max_tokens": 1, **extra}
+def test_errors_name_the_field(pagoda_server, served_model, path, extra, param):
+    body = {"model": served_model, "max_tokens": 1, **extra}
     if path == "/v1/completions":
         body["prompt"] = "Hello"
     else:
         body["messages"] = [{"role": "user", "content": "Hello"}]
-    response = _post(base, path, body)
+    response = _post(pagoda_server, path, body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param, json.dumps(error)
 
 
-def test_completions_return_token_ids(base, model):
+def test_completions_return_token_ids(pagoda_server, served_model):
     """vLLM's return_token_ids: each choice carries its prompt's token ids and its output's; in a
     stream the prompt's come with the choice's first chunk, each chunk with its new tokens."""
     prompts = ["the river", "a stone light"]
-    body = {"model": model, "prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-    plain = _post(base, "/v1/completions", body).json()["choices"]
+    body = {"model": served_model, "prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = _post(pagoda_server, "/v1/completions", body).json()["choices"]
     assert all(c["prompt_token_ids"] is None and c["token_ids"] is None for c in plain)
-    choices = _post(base, "/v1/completions", {**body, "return_token_ids": True}).json()["choices"]
+    choices = _post(pagoda_server, "/v1/completions", {**body, "return_token_ids": True}).json()["choices"]
     outputs = {}
     for c in choices:
-        assert c["prompt_token_ids"] == _tokens(base, model, prompt=prompts[c["index"]])
+        assert c["prompt_token_ids"] == _tokens(pagoda_server, served_model, prompt=prompts[c["index"]])
         assert len(c["token_ids"]) == 3
         outputs[c["index"]] = c["token_ids"]
     streamed: dict[int, list[int]] = {0: [], 1: []}
     firsts: dict[int, list[int]] = {}
     with httpx.stream(
         "POST",
-        base + "/v1/completions",
+        pagoda_server + "/v1/completions",
         json={**body, "return_token_ids": True, "stream": True},
         timeout=TIMEOUT,
     ) as r:
@@ -178,8 +173,17 @@ def test_completions_return_token_ids(base, model):
     assert firsts == {c["index"]: c["prompt_token_ids"] for c in choices}
     assert streamed == outputs
     # echo with max_tokens 0: the prompt's ids, no output ids
-    echo = {"model": model, "prompt": prompts[0], "max_tokens": 0, "echo": True, "return_token_ids": True}
-    (c,) = _post(base, "/v1/completions", echo).json()["choices"]
-    assert c["prompt_token_ids"] == _tokens(base, model, prompt=prompts[0]) and c["token_ids"] == []
-    bad = _post(base, "/v1/completions", {**body, "return_token_ids": "yes"})
+    echo = {
+        "model": served_model,
+        "prompt": prompts[0],
+        "max_tokens": 0,
+        "echo": True,
+        "return_token_ids": True,
+    }
+    (c,) = _post(pagoda_server, "/v1/completions", echo).json()["choices"]
+    assert (
+        c["prompt_token_ids"] == _tokens(pagoda_server, served_model, prompt=prompts[0])
+        and c["token_ids"] == []
+    )
+    bad = _post(pagoda_server, "/v1/completions", {**body, "return_token_ids": "yes"})
     assert bad.status_code == 400 and "return_token_ids" in bad.text

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from chat_families import RENDERED, build_family_model
+from chat_families import RENDERED, family_models
 
 from pagoda.tokenizer import load_tokenizer
 
@@ -50,15 +50,7 @@ CALL_FAMILIES = ["qwen25", "qwen3_coder", "llama31", "mistral_v03", "mistral_v11
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("families")
-    cache: dict[str, str] = {}
-
-    def get(name: str) -> str:
-        if name not in cache:
-            cache[name] = build_family_model(root, name)
-        return cache[name]
-
-    return get
+    return family_models(tmp_path_factory.mktemp("families"))
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ import pagoda.sample.sampler as sampler_module
 from pagoda.sample import DraftSpan, Sampler, SamplingMetadata, SamplingRow, make_generator
 from pagoda.sample.rejection import RejectionRows, accepted_counts, prepare_residual
 from pagoda.sampling_params import SamplingParams
+from stats import chi_square, chi_square_pvalue, pvalue
 
 ALPHA = 1e-4  # false-failure rate of each chi-square assertion
 VOCAB = 8
@@ -46,47 +47,21 @@ TARGET_LOGITS, DRAFT_PROBS = _tables()
 
 
 # ---- statistics ---------------------------------------------------------------------------------
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's test of observed counts against cell probabilities (both flat). Cells expected to
-    hold fewer than 5 are pooled into one; cells of probability 0 must be empty."""
-    counts = counts.double().flatten()
-    probs = probs.double().flatten()
-    assert counts[probs == 0].sum() == 0, "a token of probability 0 was emitted"
-    counts, probs = counts[probs > 0], probs[probs > 0]
-    expected = probs / probs.sum() * counts.sum()
-    small = expected < 5
-    if small.any():
-        counts = torch.cat([counts[~small], counts[small].sum().view(1)])
-        expected = torch.cat([expected[~small], expected[small].sum().view(1)])
-    stat = ((counts - expected) ** 2 / expected).sum()
-    df = counts.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
-
-
 def transition_pvalue(seqs: torch.Tensor, p: torch.Tensor) -> float:
     """Goodness of fit of a Markov chain's observed transitions (prev -> next, pooled over the
     positions of `seqs` [N, L], START before each) to p [V, V] (Anderson and Goodman 1957): the sum
-    over previous tokens of Pearson's statistics, each with V - 1 degrees of freedom."""
+    over previous tokens of Pearson's statistics, each with its own degrees of freedom."""
     prev = torch.cat([torch.full((seqs.shape[0], 1), START), seqs[:, :-1]], dim=1).flatten()
     counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
     counts.index_add_(0, prev * VOCAB + seqs.flatten(), torch.ones(prev.numel(), dtype=torch.float64))
     counts = counts.view(VOCAB, VOCAB)
     total_stat, total_df = 0.0, 0
     for s in range(VOCAB):
-        n = counts[s].sum()
-        if n == 0:
+        if counts[s].sum() == 0:
             continue
-        expected = p[s].double() * n
-        keep = expected >= 5
-        c = torch.cat([counts[s][keep], counts[s][~keep].sum().view(1)])
-        e = torch.cat([expected[keep], expected[~keep].sum().view(1)])
-        if e[-1] == 0:
-            c, e = c[:-1], e[:-1]
-        total_stat += float(((c - e) ** 2 / e).sum())
-        total_df += c.numel() - 1
-    return float(
-        torch.special.gammaincc(torch.tensor(total_df / 2, dtype=torch.float64), torch.tensor(total_stat / 2))
-    )
+        stat, df = chi_square(counts[s], p[s])
+        total_stat, total_df = total_stat + stat, total_df + df
+    return pvalue(total_stat, total_df)
 
 
 def first_two_probs(p: torch.Tensor) -> torch.Tensor:

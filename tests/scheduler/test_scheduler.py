@@ -210,6 +210,21 @@ def test_a_short_shared_prefix_does_not_hold_requests_back():
         assert r.output_token_ids == reference(r.prompt_token_ids, 2)
 
 
+def test_a_waiting_request_is_looked_up_once_for_hold_back_and_admission():
+    # r0 is admitted first; the others share only 8 tokens with it, so the hold-back check finds
+    # them free to start, and their admission reuses the check's lookup of their cached prefix.
+    sched, _kv, kvm = make(budget=256)
+    finds = []
+    find = kvm.radix.find
+    kvm.radix.find = lambda tokens, salt=None: finds.append(tuple(tokens)) or find(tokens, salt)
+    reqs = [req(f"r{i}", [5, 6, 7, 8, 9, 10, 11, 12] + [60 + i] * 30, 2) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["r0", "r1", "r2"]
+    assert finds == [tuple(r.token_ids[: r.num_cacheable_tokens]) for r in reqs]
+
+
 def test_salted_requests_do_not_share():
     sched, kv, _kvm = make()
     prompt = list(range(20))

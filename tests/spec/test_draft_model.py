@@ -193,7 +193,7 @@ def test_random_requests_draw_drafts_from_q(tiny_model_dirs):
         engine.step()
         for req in core.scheduler.running:
             if req.num_draft_tokens:
-                q = req.draft_probs
+                q = core.drafter._records[req.request_id].probs
                 assert q is not None and q.shape == (req.num_draft_tokens, engine.vocab_size)
                 torch.testing.assert_close(q.sum(dim=-1), torch.ones(len(q)))
                 drafts = req.token_ids[-req.num_draft_tokens :]

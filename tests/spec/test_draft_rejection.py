@@ -21,28 +21,12 @@ import transformers
 import pagoda.sample.sampler as sampler_module
 from pagoda import LLM, SamplingParams
 from pagoda.sample.rejection import RejectionRows, prepare_residual
+from stats import chi_square, pvalue
 
 ALPHA = 1e-4
 TOP_K = 8
 NUM_REQUESTS = 2000
 PROMPT = [5, 9, 40, 17, 3, 88, 120, 7]
-
-
-def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson's statistic and degrees of freedom (cells expected below 5 pooled into one)."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    assert counts[probs == 0].sum() == 0, "a token of probability 0 was sampled"
-    counts, probs = counts[probs > 0], probs[probs > 0]
-    expected = probs / probs.sum() * counts.sum()
-    small = expected < 5
-    if small.any():
-        counts = torch.cat([counts[~small], counts[small].sum().view(1)])
-        expected = torch.cat([expected[~small], expected[small].sum().view(1)])
-    return float(((counts - expected) ** 2 / expected).sum()), counts.numel() - 1
-
-
-def pvalue(stat: float, df: int) -> float:
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
 
 
 @torch.no_grad()

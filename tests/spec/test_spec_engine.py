@@ -101,3 +101,37 @@ def test_load_gate(tiny_model_dirs):
     assert gated < llm.engine.stats().spec_num_draft_tokens
     _, llm = _run(tiny_model_dirs[ARCH], {**NGRAM, "max_running": 2}, _prompts(1), GREEDY)
     assert llm.engine.stats().spec_num_draft_tokens > 0
+
+
+def test_ended_requests_leave_no_drafting_state(tiny_model_dirs):
+    """The drafter holds one record per live request (waiting or running: its n-gram index, its
+    prediction) and none for a request that finished, or was aborted running or waiting."""
+    llm = LLM(
+        tiny_model_dirs[ARCH],
+        dtype="float32",
+        num_kv_blocks=512,
+        max_num_seqs=2,
+        speculative_config={**NGRAM, "max_running": 64},
+    )
+    engine, core = llm.engine, llm.engine.core
+    records = core.drafter._records
+    prompts = _prompts(4)
+    for i, prompt in enumerate(prompts):
+        prediction = prompt[-6:] if i % 2 else None
+        engine.add_request(
+            f"r{i}",
+            prompt,
+            SamplingParams(temperature=0, max_tokens=6 if i == 0 else 30, prediction=prediction),
+        )
+    assert records.keys() == core.scheduler.requests.keys() and len(records) == 4
+    assert records["r1"].prediction is not None and records["r0"].prediction is None
+    while "r0" in core.scheduler.requests:  # r0 and r1 run, r2 and r3 wait (max_num_seqs)
+        engine.step()
+        assert records.keys() == core.scheduler.requests.keys()
+    assert records["r1"].ngram is not None  # r1 drafted
+    assert {r.request_id for r in core.scheduler.waiting} == {"r2", "r3"}
+    engine.abort_request(["r1", "r3"])  # one running, one waiting
+    assert records.keys() == core.scheduler.requests.keys() == {"r2"}
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert core.drafter.num_records == 0

@@ -16,6 +16,7 @@ from grammar_helpers import (
 )
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pagoda.sampling_params import StructuredOutputs
 from pagoda.structured import GrammarManager
@@ -23,27 +24,11 @@ from pagoda.structured import GrammarManager
 # ---- masking cost (slow; prints timings, asserts only correctness) --------------------------------------
 
 
-def _byte_level_chars() -> dict[int, str]:
-    """GPT-2's byte → printable character table used by byte-level BPE vocabularies."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def build_synthetic_tokenizer(vocab_size: int, seed: int = 0) -> PreTrainedTokenizerFast:
     """A byte-level BPE with ``vocab_size`` tokens made by growing random words one merge at a time:
     cheap to build at real-model sizes (32k, 152k), unlike training one."""
     rng = random.Random(seed)
-    chars = _byte_level_chars()
+    chars = bytes_to_unicode()
     vocab = {EOS: 0} | {chars[b]: b + 1 for b in range(256)}
     merges: list[tuple[str, str]] = []
     alphabet = string.ascii_lowercase * 4 + string.ascii_uppercase + string.digits + '"{}[]:,._-'

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pagoda.sampling_params import SamplingParams
 from pagoda.tokenizer import (
@@ -43,24 +44,8 @@ TEXT_ALPHABET = st.sampled_from(
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """The GPT-2 byte-to-printable-character table that byte-level BPE vocabularies use."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def _byte_level_tokenizer() -> Tokenizer:
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
 
     def tok(bs: bytes) -> str:
         return "".join(b2u[b] for b in bs)
@@ -333,7 +318,7 @@ def test_detokenizer_prompt_ending_mid_character(tok) -> None:
 
 def test_detokenizer_invalid_utf8_and_bounded_window(tok) -> None:
     """Invalid bytes come out as decode gives them, and no step decodes more than a small window."""
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     cont = tok.convert_tokens_to_ids(b2u[0x80])  # a lone UTF-8 continuation byte
     ids = [cont] * 100 + _encode(tok, "Hello world 你好") * 40
     detok = IncrementalDetokenizer(tok, _encode(tok, "prompt " * 50), skip_special_tokens=True)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagoda.cache.block_pool import BlockPool
-from pagoda.cache.radix import Node, RadixCache
+from pagoda.cache.radix import Node, PrefixMatch, RadixCache
 from pagoda.request import Request
 
 
@@ -87,17 +87,26 @@ class KVCacheManager:
         return request_id in self._records
 
     # ---- the scheduler's interface ---------------------------------------------------------------
+    def lookup(self, request: Request) -> PrefixMatch | None:
+        """The request's cached whole-block prefix now, read-only (None without a prefix cache);
+        `allocate_first` takes it, so that a request is looked up once (valid until the next
+        allocation or cache change)."""
+        if self.radix is None:
+            return None
+        return self.radix.find(request.token_ids[: request.num_cacheable_tokens], request.cache_salt)
+
     def cached_prefix_len(self, request: Request) -> int:
         """Tokens of the request a cache lookup would serve now; read-only."""
-        if self.radix is None:
-            return 0
-        return self.radix.match_len(request.token_ids[: request.num_cacheable_tokens], request.cache_salt)
+        found = self.lookup(request)
+        return 0 if found is None else found.num_blocks * self.block_size
 
-    def allocate_first(self, request: Request, max_new_tokens: int) -> Allocation | None:
+    def allocate_first(
+        self, request: Request, max_new_tokens: int, found: PrefixMatch | None = None
+    ) -> Allocation | None:
         """Give a request that holds no blocks its KV record: its longest cached prefix (whole
         blocks, then the cached block that shares the most of what follows, copied), or a
         sibling's prompt KV (n > 1), then room for up to `max_new_tokens` more. None: they do
-        not fit, and nothing changed."""
+        not fit, and nothing changed. `found`: its `lookup`, if just made."""
         if request.request_id in self._records:
             raise RuntimeError(f"{request.request_id} already holds KV blocks")
         bs = self.block_size
@@ -108,7 +117,9 @@ class KVCacheManager:
         # request owed prompt logprobs looks up only the tokens before the first it scores.
         limit = request.num_cacheable_tokens
         if self.radix is not None:
-            node, shared = self.radix.match(request.token_ids[:limit], request.cache_salt)
+            if found is None:
+                found = self.lookup(request)
+            node, shared = self.radix.claim(found), list(found.blocks)
         num_cached_blocks = len(shared)
         num_computed = len(shared) * bs
         source = request.fork_source

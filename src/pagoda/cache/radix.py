@@ -5,7 +5,8 @@ Each node owns a run of whole blocks: `key` holds their token ids (a multiple of
 `blocks` their ids. A *tail* node is a leaf holding one partly filled block: the KV of the first
 len(key) < block_size tokens after its parent's path, left by a request that stopped writing it
 (it finished or was preempted). Children are keyed by their first block's tokens, so a tail's
-shorter key never collides with a whole block's. A lookup walks whole blocks; `match_partial`
+shorter key never collides with a whole block's. A lookup walks whole blocks (`find`, read-only;
+`claim` then cuts the node it ends inside and marks the path used); `match_partial`
 then finds the child block (a tail, or the first block of a whole child) sharing the most
 leading tokens with what follows, which the caller copies before writing (copy-on-write), so a
 hit is token-granular. The tree holds one pool reference on every block it caches. A running
@@ -20,6 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 from pagoda.cache.block_pool import BlockPool
 
@@ -37,6 +39,23 @@ class Node:
 
     def __lt__(self, other: Node) -> bool:  # heap order: least recently used first
         return self.last_access < other.last_access
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixMatch:
+    """A lookup's result: `blocks`, the whole cached blocks of a prefix, end `inside_blocks` blocks
+    into `inside` (a child of `node`), or, when `inside` is None, at `node` (None: the salt has
+    no tree yet). Valid until the tree changes."""
+
+    node: Node | None
+    blocks: list[int]
+    inside: Node | None = None
+    inside_blocks: int = 0
+    salt: Hashable = None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
 
 
 class RadixCache:
@@ -60,10 +79,8 @@ class RadixCache:
     def _block_key(self, tokens: Sequence[int], i: int) -> tuple[int, ...]:
         return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
 
-    def _walk(self, node: Node, tokens: Sequence[int], split: bool) -> tuple[Node, int, list[int]]:
-        """Follow whole blocks of `tokens` down from `node`. Returns the deepest node reached, the
-        number of blocks matched, and their ids. With split=True, a match that ends inside a node
-        splits it so that the match ends exactly at a node boundary."""
+    def _walk(self, node: Node, tokens: Sequence[int], salt: Hashable = None) -> PrefixMatch:
+        """Follow whole blocks of `tokens` down from `node`, changing nothing."""
         bs = self.block_size
         n_blocks = len(tokens) // bs
         matched: list[int] = []
@@ -81,26 +98,35 @@ class RadixCache:
             ):
                 k += 1
             if k < n_child:
-                if not split:
-                    matched.extend(child.blocks[:k])
-                    return node, i + k, matched
-                child = self._split(child, k)
+                matched.extend(child.blocks[:k])
+                return PrefixMatch(node, matched, child, k, salt)
             matched.extend(child.blocks)
             node = child
             i += k
-        return node, i, matched
+        return PrefixMatch(node, matched, salt=salt)
+
+    def find(self, tokens: Sequence[int], salt: Hashable = None) -> PrefixMatch:
+        """The longest cached whole-block prefix of `tokens`, without touching the tree (for
+        scheduling decisions; `claim` it to use it before the tree changes)."""
+        if salt not in self._roots:
+            return PrefixMatch(None, [], salt=salt)
+        return self._walk(self._roots[salt], tokens, salt)
+
+    def claim(self, found: PrefixMatch) -> Node:
+        """The deepest node of a prefix `find` returned (the tree unchanged since), cut so that it
+        ends exactly at the prefix's end, and marked as used now. Not locked."""
+        node = self._end(found) if found.node is not None else self.root(found.salt)
+        self._touch(node)
+        return node
 
     def match_len(self, tokens: Sequence[int], salt: Hashable = None) -> int:
         """Number of leading tokens cached, without touching the tree (for scheduling decisions)."""
-        if salt not in self._roots:
-            return 0
-        return self._walk(self._roots[salt], tokens, split=False)[1] * self.block_size
+        return self.find(tokens, salt).num_blocks * self.block_size
 
     def match(self, tokens: Sequence[int], salt: Hashable = None) -> tuple[Node, list[int]]:
         """Longest cached whole-block prefix: its deepest node (not locked) and its block ids."""
-        node, _, blocks = self._walk(self.root(salt), tokens, split=True)
-        self._touch(node)
-        return node, blocks
+        found = self.find(tokens, salt)
+        return self.claim(found), found.blocks
 
     def match_partial(self, node: Node, tokens: Sequence[int]) -> tuple[int, int] | None:
         """After a whole-block match ending at `node`: the block among its children whose leading
@@ -126,7 +152,8 @@ class RadixCache:
         bs = self.block_size
         if len(tokens) != len(blocks) * bs:
             raise ValueError("insert needs exactly one block of tokens per block id")
-        node, i, _ = self._walk(node, tokens, split=True)
+        found = self._walk(node, tokens)
+        node, i = self._end(found), found.num_blocks
         if i < len(blocks):
             new = Node(tuple(tokens[i * bs :]), list(blocks[i:]), node)
             self._drop_tails_covered_by(node, new.key[:bs])
@@ -212,6 +239,10 @@ class RadixCache:
             tail = node.children.pop(tail_key)
             self.pool.decref(tail.blocks)
             self.evictable_blocks -= 1
+
+    def _end(self, found: PrefixMatch) -> Node:
+        """The node at which a walk's match ends, splitting the one it ends inside."""
+        return found.node if found.inside is None else self._split(found.inside, found.inside_blocks)
 
     def _split(self, child: Node, k: int) -> Node:
         """Cut `child` after k blocks. The lower half keeps the object's identity, so locks held

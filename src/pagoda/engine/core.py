@@ -18,7 +18,7 @@ from pagoda.outputs import Logprob, PromptLogprobs
 from pagoda.request import Request
 from pagoda.sample.metadata import make_generator
 from pagoda.scheduler.scheduler import Scheduler
-from pagoda.spec import Drafter, Prediction
+from pagoda.spec import Drafter
 from pagoda.spec.draft_model import DraftModelProposer
 from pagoda.step import GrammarMasks, SchedulerOutput
 from pagoda.structured import GrammarManager
@@ -81,11 +81,10 @@ class EngineCore:
         )
         if msg.grammar is not None:
             request.grammar = msg.grammar.new_matcher()
-        if msg.prediction_token_ids is not None:
-            request.prediction = Prediction(msg.prediction_token_ids)
         if msg.params.seed is not None and not msg.params.greedy:
             request.generator = make_generator(msg.params.seed, self.device)
         self.scheduler.add_request(request)
+        self.drafter.add(msg.request_id, msg.prediction_token_ids)
 
     def abort_requests(
         self,
@@ -97,10 +96,7 @@ class EngineCore:
         """Finish requests from outside the step (unknown or finished ids are skipped) and free
         their blocks now. Returns their final outputs."""
         finished = self.scheduler.finish_requests(list(request_ids), reason, stop_reasons)
-        self.drafter.release(r.request_id for r in finished)
-        if finished:
-            self._after_change()
-        return [
+        outputs = [
             EngineCoreOutput(
                 r.request_id,
                 [],
@@ -109,10 +105,14 @@ class EngineCore:
                 r.stop_reason,
                 max(r.num_cached_tokens, 0),
                 error if r.finish_reason == "error" else None,
-                prediction_tokens=_prediction_tokens(r),
+                prediction_tokens=self.drafter.prediction_tokens(r.request_id),
             )
             for r in finished
         ]
+        self.drafter.release(r.request_id for r in finished)
+        if finished:
+            self._after_change()
+        return outputs
 
     @property
     def grammars(self) -> GrammarManager | None:
@@ -163,7 +163,9 @@ class EngineCore:
                     f"the scheduler cannot start {self.scheduler.waiting[0]} with an idle engine"
                 )
             return []
-        result = self.runner.execute(sched, self._grammar_masks(sched))
+        result = self.runner.execute(
+            sched, self._grammar_masks(sched), self.drafter.draft_probs(sched.scheduled)
+        )
         requests = self.scheduler.requests
         for rid, (pos, entries) in result.prompt_logprobs.items():
             _store_prompt_logprobs(requests[rid], pos, entries)
@@ -201,9 +203,10 @@ class EngineCore:
                     req.stop_reason,
                     max(req.num_cached_tokens, 0),
                     prompt_logprobs=_take_prompt_logprobs(req, new),
-                    prediction_tokens=_prediction_tokens(req),
+                    prediction_tokens=self.drafter.prediction_tokens(req.request_id),
                 )
             )
+        self.drafter.release(r.request_id for r in changed if r.is_finished)
         for rid, why in failed.items():
             logger.warning("request %s failed: %s", rid, why)
             outputs.extend(self.abort_requests([rid], "error", error=why))
@@ -267,7 +270,7 @@ class EngineCore:
 
     def check_invariants(self) -> None:
         self.scheduler.check()
-        self.drafter.check(r.request_id for r in self.scheduler.running)
+        self.drafter.check(self.scheduler.requests, [r.request_id for r in self.scheduler.running])
 
 
 def _store_prompt_logprobs(req: Request, pos: int, entries: list[dict[int, Logprob]]) -> None:
@@ -285,8 +288,3 @@ def _take_prompt_logprobs(req: Request, new: list[int]) -> PromptLogprobs | None
         return None
     entries, req.prompt_logprobs = req.prompt_logprobs, None
     return entries
-
-
-def _prediction_tokens(req: Request) -> tuple[int, int] | None:
-    p = req.prediction
-    return None if p is None else (p.num_accepted, p.num_rejected)

@@ -126,16 +126,19 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             src = req.fork_source
+            found = None  # its cached prefix, looked up once for the hold-back and the allocation
             if src is not None:
                 if src.is_finished:
                     req.fork_source = None
                 elif src.status is not RequestStatus.RUNNING or src.num_computed_tokens < req.num_tokens - 1:
                     continue  # n > 1: wait until the sibling has computed the shared prompt
-            elif computing and self._held_back(req, computing):
-                # In-batch prefix caching: others compute this one's next prompt blocks in this
-                # step, so it waits a step and then finds them in the cache.
-                continue
-            alloc = self.kv.allocate_first(req, budget)
+            elif computing:
+                found = self.kv.lookup(req)
+                if self._held_back(req, found.num_blocks * self.kv.block_size, computing):
+                    # In-batch prefix caching: others compute this one's next prompt blocks in
+                    # this step, so it waits a step and then finds them in the cache.
+                    continue
+            alloc = self.kv.allocate_first(req, budget, found)
             if alloc is None:
                 break  # the pool is full: later requests would not fit either
             num_new = alloc.num_new
@@ -169,11 +172,10 @@ class Scheduler:
             if (b + 1) * bs <= req.num_prompt_tokens:
                 computing.add(self._block_key(req, b * bs, bs))
 
-    def _held_back(self, req: Request, computing: set[_BlockKey]) -> bool:
-        """Whether the blocks after the request's cached ones, IN_BATCH_MIN_SHARED_TOKENS of them
-        at least, are all being computed by others in this step."""
+    def _held_back(self, req: Request, cached: int, computing: set[_BlockKey]) -> bool:
+        """Whether the blocks after the request's `cached` tokens (its cached whole blocks),
+        IN_BATCH_MIN_SHARED_TOKENS of them at least, are all being computed by others in this step."""
         bs = self.kv.block_size
-        cached = self.kv.cached_prefix_len(req)
         blocks = -(-IN_BATCH_MIN_SHARED_TOKENS // bs)
         if cached + blocks * bs > req.num_cacheable_tokens:
             return False
@@ -215,7 +217,6 @@ class Scheduler:
                 req.num_computed_tokens -= k - result.num_accepted_drafts
                 del req.token_ids[-k:]
                 req.num_draft_tokens = 0
-                req.draft_probs = None
                 self.stats.num_rejected_draft_tokens += k - result.num_accepted_drafts
             for tok in result.tokens:
                 req.append_token(tok)
@@ -233,7 +234,6 @@ class Scheduler:
                     self.kv.trim(req)
                 req.token_ids.extend(result.drafts)
                 req.num_draft_tokens = len(result.drafts)
-                req.draft_probs = result.draft_probs if result.drafts else None
             changed.append(req)
         return changed
 

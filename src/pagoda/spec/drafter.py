@@ -13,6 +13,12 @@ Exactness does not depend on a proposer: the sampler keeps a draft only where sa
 model would have chosen it anyway (greedy, or the same seeded draw), so outputs are those without
 speculation. A proposer only decides how many forward passes that takes.
 
+Per-request state: the drafter keeps one `DraftRecord` per live request (the prediction's
+alignment, the n-gram index, how many drafts its grammar forced, q of the draft model's drafts),
+made when the core adds the request and freed when it finishes or is aborted (`release`); the
+core's invariant check asks that the records are exactly the scheduler's requests. The draft
+model's KV records are the `DraftModelProposer`'s (per step: only those it drafted for keep one).
+
 The load gate: speculative drafts only while at most `SpeculativeConfig.max_running` requests
 run (prediction drafts under `EngineConfig.prediction_max_running`, the same unless speculation
 is not configured; grammar-forced ones under `StructuredOutputConfig.jump_forward_max_running`). A request in
@@ -22,8 +28,7 @@ draft token costs a token of work (see pagoda.engine.resolve).
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,8 +38,8 @@ from pagoda.config import SpeculativeConfig, StructuredOutputConfig
 from pagoda.request import Request
 from pagoda.spec.draft_model import DraftItem, DraftModelProposer
 from pagoda.spec.ngram import NgramIndex
-from pagoda.spec.prediction import MATCH_MAX, PREDICTION_NUM_DRAFTS
-from pagoda.step import SampledTokens
+from pagoda.spec.prediction import MATCH_MAX, PREDICTION_NUM_DRAFTS, Prediction
+from pagoda.step import SampledTokens, ScheduledRequest
 
 if TYPE_CHECKING:
     from pagoda.structured import GrammarManager
@@ -49,6 +54,19 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     num_jump_forward_tokens: int = 0  # grammar-forced drafts proposed
     num_jump_forward_accepted: int = 0  # grammar-forced drafts that sampling confirmed
+
+
+@dataclass(eq=False)
+class DraftRecord:
+    """One request's drafting state, the drafter's alone."""
+
+    prediction: Prediction | None = None  # SamplingParams.prediction: its alignment and counts
+    ngram: NgramIndex | None = None  # n-gram lookup over the verified tokens, made on first use
+    num_forced: int = 0  # how many of the drafts (the first ones) the grammar forced, until verified
+    # float32 [num drafts, vocab]: q of each draft when the draft model drew them at random (the
+    # rejection sampler's input; one-hot rows for deterministic drafts before the model's), until
+    # they are verified; else None.
+    probs: torch.Tensor | None = None
 
 
 class Drafter:
@@ -69,29 +87,64 @@ class Drafter:
         self.prediction_limit = float("inf") if prediction_max_running is None else prediction_max_running
         self.prediction_num_drafts = spec.num_speculative_tokens if spec else PREDICTION_NUM_DRAFTS
         self.stats = SpecDecodeStats()
-        # How many of each request's drafts (the first ones) its grammar forced, until verified;
-        # weak, so that a request that ends leaves nothing behind.
-        self._forced: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
-        self._ngrams: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
+        self._records: dict[str, DraftRecord] = {}  # request id -> its record, while it lives
 
+    # ---- records ---------------------------------------------------------------------------------
+    def add(self, request_id: str, prediction_token_ids: Sequence[int] | None = None) -> None:
+        """A new request (the core's add_request): its record, with its predicted output if any."""
+        prediction = Prediction(prediction_token_ids) if prediction_token_ids is not None else None
+        self._records[request_id] = DraftRecord(prediction)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Requests that finished or were aborted: their record goes, and their draft KV."""
+        ids = list(request_ids)
+        for rid in ids:
+            self._records.pop(rid, None)
+        if self.draft_model is not None:
+            self.draft_model.release(ids)
+
+    @property
+    def num_records(self) -> int:
+        return len(self._records)
+
+    def prediction_tokens(self, request_id: str) -> tuple[int, int] | None:
+        """(accepted, rejected) prediction drafts of a request with a predicted output, else None."""
+        p = self._records[request_id].prediction
+        return None if p is None else (p.num_accepted, p.num_rejected)
+
+    def draft_probs(self, scheduled: Iterable[ScheduledRequest]) -> dict[str, torch.Tensor]:
+        """q of the draft-model drafts that these scheduled requests verify (the runner's input)."""
+        if self.draft_model is None:
+            return {}
+        probs = {}
+        for s in scheduled:
+            rid = s.request.request_id
+            q = self._records[rid].probs
+            if q is not None and s.request.num_draft_tokens:
+                probs[rid] = q
+        return probs
+
+    # ---- one step --------------------------------------------------------------------------------
     def record_verified(self, req: Request, num_accepted: int) -> None:
         """`req`'s drafts (still in its token ids) were verified; `num_accepted` of them kept."""
         num_drafts = req.num_draft_tokens
-        forced = self._forced.pop(req, 0)
+        record = self._records[req.request_id]
+        forced, record.num_forced, record.probs = record.num_forced, 0, None
         if num_drafts:
             self.stats.num_drafts += 1
             self.stats.num_draft_tokens += num_drafts
             self.stats.num_accepted_tokens += num_accepted
             self.stats.num_jump_forward_accepted += min(num_accepted, forced)
-        if req.prediction is not None:
-            req.prediction.record_verified(num_drafts, num_accepted)
+        if record.prediction is not None:
+            record.prediction.record_verified(num_drafts, num_accepted)
 
     def propose(
         self, req: Request, tokens: list[int], num_running: int, grammars: GrammarManager | None
     ) -> list[int]:
         """Draft tokens to follow `tokens` (this step's verified tokens of `req`, not yet appended).
         A constrained request's grammar is left past its drafts (the next step's masks walk it back)."""
-        prediction = req.prediction
+        record = self._records[req.request_id]
+        prediction = record.prediction
         nothing = req.grammar is None and self.spec is None and prediction is None
         if nothing or tokens[-1] in req.stop_token_ids:
             return []  # the default path, once per request and step: nothing can propose
@@ -116,8 +169,7 @@ class Drafter:
                 history = req.output_token_ids + tokens
                 drafts = grammars.jump_forward(grammar, history, max_tokens=room)
                 self.stats.num_jump_forward_tokens += len(drafts)
-                if drafts:
-                    self._forced[req] = len(drafts)
+                record.num_forced = len(drafts)
         if prediction is not None and num_running <= self.prediction_limit:
             want = min(self.prediction_num_drafts, room) - len(drafts)
             more = _before_stop(req, prediction.propose(drafts, recent, want))
@@ -139,9 +191,9 @@ class Drafter:
                 stops = req.stop_token_ids | (req.eos_token_ids if grammar is not None else frozenset())
                 self._queue.append(DraftItem(req, end, list(tokens), list(drafts), want, stops))
             return drafts
-        index = self._ngrams.get(req)
+        index = record.ngram
         if index is None:
-            index = self._ngrams[req] = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            index = record.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         index.extend(req.token_ids[len(index.tokens) : end] + tokens)  # the verified tokens it lacks
         more = _before_stop(req, index.propose(want, drafts))
         if grammar is not None:
@@ -169,7 +221,7 @@ class Drafter:
                 continue
             res = sampled[rid]
             if q is not None:
-                res.draft_probs = _span_probs(res.drafts, q[: len(more)])
+                self._records[rid].probs = _span_probs(res.drafts, q[: len(more)])
             res.drafts = res.drafts + more
 
     def end_step(self, running: Iterable[str]) -> None:
@@ -178,16 +230,16 @@ class Drafter:
         if self.draft_model is not None:
             self.draft_model.end_step(self._drafted.intersection(running))
 
-    def release(self, request_ids: Iterable[str]) -> None:
-        """Requests that ended outside the step (aborts): their draft KV goes now."""
-        if self.draft_model is not None:
-            self.draft_model.release(request_ids)
-
     def reset_prefix_cache(self) -> None:
         if self.draft_model is not None:
             self.draft_model.kv.reset_prefix_cache()
 
-    def check(self, running: Iterable[str]) -> None:
+    def check(self, live: Collection[str], running: Iterable[str]) -> None:
+        """Exactly the live requests (waiting or running) have records; the draft pool's
+        accounting."""
+        if self._records.keys() != set(live):
+            stale, missing = set(self._records).difference(live), set(live).difference(self._records)
+            raise AssertionError(f"drafting records: of ended requests {stale}, missing {missing}")
         if self.draft_model is not None:
             self.draft_model.check(running)
 

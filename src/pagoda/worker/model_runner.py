@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -50,10 +51,17 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> ModelOutput:
+    def execute(
+        self,
+        out: SchedulerOutput,
+        masks: GrammarMasks | None = None,
+        draft_probs: Mapping[str, torch.Tensor] | None = None,
+    ) -> ModelOutput:
         """Run the step's forward pass and sample every row that needs it in one sampler call:
         one row per request that reached its last known token, plus one per draft token. The
-        prompt positions owed prompt logprobs in this step's chunks are scored too."""
+        prompt positions owed prompt logprobs in this step's chunks are scored too.
+        `draft_probs`: request id -> q of its drafts when a draft model drew them at random
+        (verified by rejection sampling)."""
         # Fewest new tokens first (decodes, then verification steps and short chunks): the
         # attention backend batches the leading short ones in one call.
         batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens)
@@ -73,7 +81,7 @@ class ModelRunner:
             drafts = req.token_ids[req.num_tokens - k :] if k else []
             if k:
                 # q of a draft model's random drafts: verified by rejection sampling.
-                q = req.draft_probs
+                q = draft_probs.get(req.request_id) if draft_probs else None
                 spans.append(DraftSpan(len(rows), tuple(drafts), req.generator, q))
             hidden_rows.extend(range(end - k - 1, end))
             history = req.output_token_ids  # verified tokens only
