@@ -54,6 +54,26 @@ def test_plain_matches_reference(variant: str, m: int, n: int, k: int) -> None:
     _assert_close(cpu_gemm.linear(x.float(), packed, out_dtype=torch.float32), ref, abs_sum)
 
 
+@pytest.mark.parametrize("m", [65, 130])
+@pytest.mark.parametrize("k", [4500, 4501])
+def test_long_rows_in_groups_match_reference(variant: str, m: int, k: int) -> None:
+    # Past 64 rows, rows go in groups of at most 128 KB of x (on avx2, fp32 rows of 4,500 k:
+    # one 4-row block per group): every group and thread split gives the exact result and the
+    # same bits.
+    x, w, b = _make(m, 70, k, bias=True, seed=k)
+    packed = cpu_gemm.pack(w, b)
+    ref, abs_sum = _reference(x, w, b)
+    y = cpu_gemm.linear(x, packed, out_dtype=torch.float32)
+    _assert_close(y, ref, abs_sum)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = cpu_gemm.linear(x, packed, out_dtype=torch.float32)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(single, y)
+
+
 @pytest.mark.parametrize("m", [1, 3, 7, 14, 33, 300])
 @pytest.mark.parametrize("intermediate", [1, 16, 37, 96])
 @pytest.mark.parametrize("bias", [False, True])

@@ -64,20 +64,29 @@ template <typename Wt>
 constexpr int64_t panel_stride(int64_t K) { return panel_rows<Wt>(K) * kElems<Wt>; }  // elements per panel
 // Rows per micro-tile, and panels streamed at once for MR rows: MR * NP fp32 sums plus the
 // panel rows being widened fit in the register file (32 vectors of 16 lanes on AVX-512, 8 on
-// AVX2). Up to kAheadRows rows prefetch the panel rows they are about to read into L1, as
-// non-temporal (each weight is read once per step: it should not push the rest of the step's
-// data, Python's included, out of L2 and L3); more rows reuse each panel from cache and prefetch
-// the next panels into L2 instead.
+// AVX2). Up to kAheadRows rows prefetch the panel rows they are about to read, `prefetch_rows`
+// ahead with hint kAheadHint; more rows reuse each panel from cache and prefetch the next panels
+// into L2 instead.
+//   - AVX-512 prefetches into L1 as non-temporal (each weight is read once per step: it should
+//     not push the rest of the step's data, Python's included, out of L2 and L3).
+//   - AVX2 streams 4 panels at one row (8 sums: an 8-panel task runs as two full tiles, and a
+//     SwiGLU tile holds two gate/up pairs; 3 panels left 3 + 3 + 1 + 1 and SwiGLU tiles of 2)
+//     and prefetches into L2. AMD Zen 4, one thread, process CPU time, 24 distinct layers of
+//     Qwen2.5-0.5B's shape streamed from memory at M = 1 (two runs): 3 panels + non-temporal
+//     78-80% of a read probe in the same process, 4 panels + non-temporal 74%, 4 panels + no
+//     prefetch 86-91%, 4 panels + L2 (T1) 16 rows ahead 91-94% (12 rows 89%, 24 rows 81%).
 // (Checked in the generated code: these tiles keep every sum in a register; one row or panel
 // more and GCC spills sums to the stack in the K loop.)
 #if defined(PAGODA_AVX512)
 constexpr int kMaxMR = 13;
 constexpr int np_for(int mr) { return mr <= 2 ? 8 : mr <= 3 ? 6 : mr <= 5 ? 4 : 2; }
 constexpr int kAheadRows = 4;
+constexpr auto kAheadHint = _MM_HINT_NTA;
 #else
 constexpr int kMaxMR = 4;
-constexpr int np_for(int mr) { return mr == 1 ? 3 : mr == 2 ? 2 : 1; }
+constexpr int np_for(int mr) { return mr == 1 ? 4 : mr == 2 ? 2 : 1; }
 constexpr int kAheadRows = 1;
+constexpr auto kAheadHint = _MM_HINT_T1;
 #endif
 // Rows of x whose copy share one pass over the weight: all rows of a decode batch (the weight
 // is then read from memory once); otherwise as many as fit in 128 KB, which measured fastest
@@ -87,9 +96,9 @@ constexpr int64_t kGroupBytes = 128 << 10;
 constexpr int64_t kChunkBytes = 256 << 10;  // weight bytes per task
 // Panel rows ahead to prefetch when few rows stream NP panels: about 4 KB in flight over all
 // streams. (AMD Zen 4, one thread, decode GEMMs of Qwen2.5-0.5B's shape with 8 streams: 8 rows
-// ahead read 15% faster than 16 and 30% faster than 32; with AVX2's 3 streams 8 and 16 measured
-// the same. The non-temporal hint: a decode step of that shape 8-15% faster than with T0, in
-// four alternating pairs of runs: the GEMMs and the Python around them both faster.)
+// ahead read 15% faster than 16 and 30% faster than 32; AVX2's 4 streams: see kAheadHint. The
+// non-temporal hint on AVX-512: a decode step of that shape 8-15% faster than with T0, in four
+// alternating pairs of runs: the GEMMs and the Python around them both faster.)
 constexpr int prefetch_rows(int np) { return np >= 6 ? 8 : 16; }
 
 enum Epilogue : int64_t { kPlain = 0, kSwiGLU = 1 };
@@ -189,7 +198,7 @@ template <int MR, int NP, typename X, typename Wt>
   const auto prefetch = [&](int p, int64_t kp) {
     const Wt* src = w + p * pstride + kp * RE;
     if (MR <= kAheadRows) {
-      _mm_prefetch(reinterpret_cast<const char*>(src + prefetch_rows(NP) * RE), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(src + prefetch_rows(NP) * RE), kAheadHint);
     } else if (next) {
       _mm_prefetch(reinterpret_cast<const char*>(next + p * pstride + kp * RE), _MM_HINT_T1);
     }
