@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pagoda.lang as pl
+from tiny_models import TINY_DIMS
 
 from .lang_helpers import ENGINE_FLAGS, LANG_MODEL_CONTEXT
 
@@ -20,12 +21,7 @@ def lang_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_random_model(
         tmp_path_factory.mktemp("lang_model") / "llama",
         "LlamaForCausalLM",
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=384,
+        **TINY_DIMS,
         tie_word_embeddings=True,
         dtype=torch.float32,
         seed=7,

@@ -23,6 +23,7 @@ from pagoda.models.weight_report import weight_report
 from pagoda.quant.gguf_file import GGUFFile
 from pagoda.quant.linear import QuantLinear
 from pagoda.tokenizer import eos_token_ids, load_tokenizer
+from tiny_models import TINY_DIMS
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 PROMPTS = [[5, 17, 99, 200, 3, 44, 300, 12], [7, 8, 9, 100, 150, 250, 33, 1, 2, 60, 61, 62, 63]]
@@ -158,12 +159,7 @@ def test_llama_with_biases_decodes_like_transformers(tmp_path, quantize_to):
     folder = build_random_model(
         tmp_path / "llama-bias",
         "LlamaForCausalLM",
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        vocab_size=384,
+        **TINY_DIMS,
         tie_word_embeddings=False,
         dtype=torch.float32,
         attention_bias=True,
