@@ -16,6 +16,16 @@ import torch
 from pagoda.attention.metadata import AttentionMetadata
 
 
+def _padded_tables(
+    chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], seq_lens: Sequence[int], bs: int
+) -> torch.Tensor:
+    """int32 [B, max_blocks]: each sequence's blocks covering its `seq_lens`, padded with 0."""
+    max_blocks = max(-(-sl // bs) for sl in seq_lens)
+    return torch.tensor(
+        [list(b[:max_blocks]) + [0] * (max_blocks - len(b)) for _, _, b in chunks], dtype=torch.int32
+    )
+
+
 @dataclass
 class ForwardBatch:
     """T new tokens of B sequences, fewest new tokens first (decodes lead).
@@ -57,6 +67,7 @@ class ForwardBatch:
         logits_rows: Sequence[int],
         block_copies: list[tuple[int, int]],
     ) -> ForwardBatch:
+        """`build` for any batch (the tests compare the decode-only path with it)."""
         bs = block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -68,10 +79,8 @@ class ForwardBatch:
             seq_lens.append(start + len(ids))
             query_start.append(query_start[-1] + len(ids))
         num_decodes = sum(len(ids) == 1 for ids, _, _ in chunks)  # sorted: decodes come first
-        max_blocks = max(-(-sl // bs) for sl in seq_lens)
-        tables = [list(b[:max_blocks]) + [0] * (max_blocks - len(b)) for _, _, b in chunks]
         pos = torch.tensor(positions, dtype=torch.int64)
-        block_tables = torch.tensor(tables, dtype=torch.int32)
+        block_tables = _padded_tables(chunks, seq_lens, bs)
         row = torch.repeat_interleave(
             torch.arange(len(chunks)), torch.tensor([len(ids) for ids, _, _ in chunks])
         )
@@ -101,14 +110,12 @@ class ForwardBatch:
         single stream): the same tensors, from Python ints without the general path's tensor ops."""
         positions = [start for _, start, _ in chunks]
         seq_lens = [start + 1 for start in positions]
-        max_blocks = max(-(-sl // bs) for sl in seq_lens)
-        tables = [list(b[:max_blocks]) + [0] * (max_blocks - len(b)) for _, _, b in chunks]
         slots = [b[start // bs] * bs + start % bs for (_, start, b) in chunks]
         return cls(
             input_ids=torch.tensor([ids[0] for ids, _, _ in chunks], dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
+            block_tables=_padded_tables(chunks, seq_lens, bs),
             seq_lens=seq_lens,
             query_start_loc=list(range(len(chunks) + 1)),
             num_decodes=len(chunks),
