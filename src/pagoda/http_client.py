@@ -81,13 +81,15 @@ class _Attempt:
             await self._outer(name, info)
 
 
-def _resend(request: httpx.Request, attempt: _Attempt, exc: httpx.TransportError) -> bool:
-    """Only a request that failed on a reused connection before any response (what browsers
-    resend): a fresh connection closed under it means the server is failing, not racing."""
-    if not attempt.reused or not isinstance(request.stream, httpx.ByteStream):
+def _resend(request: httpx.Request, attempt: _Attempt, exc: httpx.TransportError, last: bool) -> bool:
+    """Whether to send `request` again after `exc` (False on the `last` allowed send). Only a
+    request that failed on a reused connection before any response (what browsers resend): a
+    fresh connection closed under it means the server is failing, not racing."""
+    if last or not attempt.reused or not isinstance(request.stream, httpx.ByteStream):
         return False  # a streamed upload cannot be sent twice
-    if isinstance(exc, httpx.RemoteProtocolError):  # other protocol errors are a bad response
-        return str(exc).startswith("Server disconnected")
+    if isinstance(exc, httpx.RemoteProtocolError) and not str(exc).startswith("Server disconnected"):
+        return False  # other protocol errors are a bad response
+    logger.debug("%s %s: resent after %r on a reused connection", request.method, request.url, exc)
     return True
 
 
@@ -105,11 +107,8 @@ class RetryTransport(httpx.BaseTransport):
                 try:
                     return self._inner.handle_request(request)
                 except RETRIED as exc:
-                    if resends == self._retries or not _resend(request, attempt, exc):
+                    if not _resend(request, attempt, exc, last=resends == self._retries):
                         raise
-                    logger.debug(
-                        "%s %s: resent after %r on a reused connection", request.method, request.url, exc
-                    )
         raise AssertionError("unreachable")
 
     def close(self) -> None:
@@ -129,11 +128,8 @@ class AsyncRetryTransport(httpx.AsyncBaseTransport):
                 try:
                     return await self._inner.handle_async_request(request)
                 except RETRIED as exc:
-                    if resends == self._retries or not _resend(request, attempt, exc):
+                    if not _resend(request, attempt, exc, last=resends == self._retries):
                         raise
-                    logger.debug(
-                        "%s %s: resent after %r on a reused connection", request.method, request.url, exc
-                    )
         raise AssertionError("unreachable")
 
     async def aclose(self) -> None:
