@@ -5,6 +5,8 @@ odd shapes in every type."""
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -58,7 +60,12 @@ def test_tiled_layout_keeps_every_byte(qtype, swiglu):
         0, 256, (n, row_bytes(qtype, k)), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
     )
     packed = cpu_quant.pack(int(qtype), raw, k, swiglu)
-    assert packed.values.shape[0] % 2 == 0 and packed.values.shape[0] * 16 >= n
+    # Two tile pairs (64 rows); Q4_0's inline layout holds a pair per row, its scales among the values.
+    if qtype == GGMLType.Q4_0:
+        assert packed.values.shape[0] == 2 and packed.scales.shape == (2, 0)
+        assert packed.nbytes == 2 * 32 * row_bytes(qtype, k)
+    else:
+        assert packed.values.shape[0] == 4 and packed.scales.shape[0] == 4
     assert torch.equal(cpu_quant.raw_rows(packed, torch.arange(n)), raw)
     index = torch.tensor([n - 1, 0, n // 2, 0])
     assert torch.equal(cpu_quant.raw_rows(packed, index), raw[index])
@@ -70,7 +77,17 @@ def test_tiled_layout_keeps_every_byte(qtype, swiglu):
 @pytest.mark.parametrize("variant, dot", DOT_KINDS)
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(
-    "rows, n, k", [(1, 1, 32), (3, 17, 96), (8, 300, 224), (9, 33, 64), (16, 129, 896), (40, 70, 160)]
+    "rows, n, k",
+    [
+        (1, 1, 32),
+        (2, 45, 4864),
+        (3, 17, 96),
+        (4, 95, 416),
+        (8, 300, 224),
+        (9, 33, 64),
+        (16, 129, 896),
+        (40, 70, 160),
+    ],
 )
 def test_integer_kernel_against_float64(variant, dot, qtype, rows, n, k):
     if block_size(qtype) == 256:
@@ -218,3 +235,29 @@ def test_quant_linear_swiglu_bf16_and_tied_rows(qtypes):
     torch.testing.assert_close(y.double(), expected, rtol=1e-2, atol=1e-2)  # bf16 output rounding
     index = torch.tensor([[5, 79], [0, 40]])
     assert torch.equal(layer.gather_rows(index), wd[index])
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+def test_native_row_dequantize_is_the_reference(variant, qtype, swiglu):
+    """Embedding rows dequantized straight from the tiles have the bits of gguf's dequantizer on
+    the file's bytes: random bytes (NaN, infinite and subnormal scales), rows in any order,
+    repeated, a gate/up pairing."""
+    n, k = 38, 96
+    raw = torch.randint(
+        0, 256, (n, row_bytes(qtype, k)), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)
+    )
+    # Some ordinary scales too (the random fp16 bytes are mostly huge or tiny).
+    raw.view(-1, row_bytes(qtype, 32))[::2, :2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # 1.0
+    index = torch.tensor([n - 1, 0, n // 2, 0, 7])
+    with build.use_variant(variant):
+        packed = cpu_quant.pack(int(qtype), raw, k, swiglu)
+        got = cpu_quant.dequantize_rows(packed, index)
+        with pytest.raises(RuntimeError, match="out of range"):
+            cpu_quant.dequantize_rows(packed, torch.tensor([n]))
+    with np.errstate(all="ignore"):
+        expected = gguf.quants.dequantize(raw[index].numpy(), gguf.GGMLQuantizationType(int(qtype)))
+    assert got.dtype == torch.float32 and got.shape == (len(index), k)
+    assert got.numpy().view("uint32").tolist() == expected.astype("float32").view("uint32").tolist()

@@ -120,6 +120,18 @@ def raw_rows(packed: PackedQuant, index: torch.Tensor) -> torch.Tensor:
     )
 
 
+# Types whose rows `dequantize_rows` gives natively (one product d * (q - offset) per value).
+DEQUANT_NATIVE = (Q8_0, Q4_0, Q5_0)
+
+
+def dequantize_rows(packed: PackedQuant, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` (1-D) as float32 `[len, cols]`, dequantized straight from the tiles (a
+    `DEQUANT_NATIVE` type): the bits of the reference dequantizer on `raw_rows`."""
+    return ops().quant_dequant_rows(
+        packed.values, packed.scales, packed.qtype, packed.cols, packed.rows, packed.swiglu, index
+    )
+
+
 def quantizes(qtype: int) -> bool:
     """Whether `quantize_k` quantizes `qtype` here (Q4_K, Q5_K, Q6_K where the kernels run)."""
     return int(qtype) in (Q4_K, Q5_K, Q6_K) and available()

@@ -146,6 +146,8 @@ class QuantLinear:
 def _dequantize(part: GGMLTensor | cpu_quant.PackedQuant, rows: torch.Tensor | None = None) -> torch.Tensor:
     """float32 rows `rows` (1-D; default all) of a segment, by the reference dequantizer."""
     if isinstance(part, cpu_quant.PackedQuant):
+        if rows is not None and part.qtype in cpu_quant.DEQUANT_NATIVE:
+            return cpu_quant.dequantize_rows(part, rows)  # a few embedding rows, natively
         index = torch.arange(part.rows) if rows is None else rows
         part = GGMLTensor(GGMLType(part.qtype), cpu_quant.raw_rows(part, index), (index.numel(), part.cols))
     elif rows is not None:

@@ -148,10 +148,15 @@ struct Acts {
   int64_t K, nb;
 };
 
+// NT consecutive tiles of one pair (quant_layout.h's Placement): tile t's block j of scale group
+// G at values + t * value_stride + G * value_group + j * VB, its scales at scales + t *
+// scale_stride + G * scale_group.
 struct TileArgs {
-  const uint8_t* values;  // the first tile's values; tile t at values + t * value_stride
-  const uint8_t* scales;
-  int64_t value_stride, scale_stride;
+  const uint8_t* values;  // the first tile's values
+  const uint8_t* scales;  // its scales (inline layouts: the start of the pair's stream)
+  int64_t value_stride, scale_stride, value_group, scale_group;
+  bool inline_scales;
+  const uint8_t* stream;  // inline layouts: the pair's first byte, for the call that prefetches it (else null)
 };
 
 using MicroFn = void (*)(const TileArgs&, const Acts&, int64_t row0, float* out, int64_t ldo);
@@ -337,7 +342,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quant_act_q8(const at::Tensor& x)
 
 // ---- the driver ----------------------------------------------------------------------------------
 struct Segment {
-  TileArgs w;
+  const uint8_t* values;
+  const uint8_t* scales;  // inline layouts: the values
+  Placement at;
+  bool inline_scales;
   int qtype;
   int64_t pairs;  // tile pairs (32 packed rows each)
   int64_t rows;   // logical rows
@@ -431,11 +439,11 @@ void run(const ActBuffers& act, int64_t M, int64_t K, const std::vector<Segment>
   // Chunks of tile pairs: one group splits every segment into pieces of near-equal bytes, a
   // multiple of the thread count in all; otherwise chunks of about kChunkBytes.
   int64_t total_bytes = 0;
-  for (const Segment& s : segs) total_bytes += s.pairs * 2 * s.w.value_stride;
+  for (const Segment& s : segs) total_bytes += s.pairs * (s.at.value_pair + (s.inline_scales ? 0 : s.at.scale_pair));
   const int64_t target = groups == 1 ? std::max<int64_t>(1, total_bytes / (4 * threads)) : kChunkBytes;
   std::vector<Task> tasks_by_chunk;
   for (size_t i = 0; i < segs.size(); ++i) {
-    const int64_t pair_bytes = 2 * segs[i].w.value_stride;
+    const int64_t pair_bytes = segs[i].at.value_pair;
     const int64_t per = std::max<int64_t>(1, target / pair_bytes);
     const int64_t chunks = (segs[i].pairs + per - 1) / per;
     for (int64_t c = 0; c < chunks; ++c)
@@ -455,8 +463,9 @@ void run(const ActBuffers& act, int64_t M, int64_t K, const std::vector<Segment>
       for (int64_t p = task.pair0; p < task.pair1; ++p) {
         for (int half = 0; half < 2; half += kTileStep) {
           const int64_t tile = 2 * p + half;
-          const TileArgs w{s.w.values + tile * s.w.value_stride, s.w.scales + tile * s.w.scale_stride,
-                           s.w.value_stride, s.w.scale_stride};
+          const TileArgs w{s.values + s.at.value_at(tile), s.scales + s.at.scale_at(tile), s.at.value_tile,
+                           s.at.scale_tile, s.at.value_group, s.at.scale_group, s.inline_scales,
+                           s.inline_scales && half == 0 ? s.scales + s.at.scale_at(tile) : nullptr};
           for (const auto& [row, n] : blocks)
             fns[n - 1](w, x, row, scratch.data() + (row - row0) * 2 * kTileRows + half * kTileRows, 2 * kTileRows);
         }
@@ -484,15 +493,16 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList values, at::TensorLi
                 kBlock * lay.group_blocks, ", got ", K);
     const int64_t n = rows[i];
     const int64_t tiles = swiglu ? 2 * ((n / 2 + kTileRows - 1) / kTileRows) : tiles_for(n);
-    const int64_t vstride = K / kBlock * lay.block_value_bytes, sstride = K / kBlock / lay.group_blocks * lay.group_scale_bytes;
+    const Placement at = placement(lay, K / kBlock / lay.group_blocks, tiles);
     const at::Tensor& v = values[i];
     const at::Tensor& s = scales[i];
     TORCH_CHECK(n >= 1 && (!swiglu || n % 2 == 0), "quant_linear: bad row count ", n);
-    TORCH_CHECK(v.scalar_type() == at::kByte && v.is_contiguous() && v.dim() == 2 && v.size(0) == tiles &&
-                    v.size(1) == vstride && s.scalar_type() == at::kByte && s.is_contiguous() && s.dim() == 2 &&
-                    s.size(0) == tiles && s.size(1) == sstride,
+    TORCH_CHECK(v.scalar_type() == at::kByte && v.is_contiguous() && v.dim() == 2 && v.size(0) == at.shape[0] &&
+                    v.size(1) == at.shape[1] && s.scalar_type() == at::kByte && s.is_contiguous() && s.dim() == 2 &&
+                    s.size(0) == at.shape[2] && s.size(1) == at.shape[3],
                 "quant_linear: segment ", i, " does not match the tiled layout of ", n, " rows x ", K);
-    segs.push_back({{v.data_ptr<uint8_t>(), s.data_ptr<uint8_t>(), vstride, sstride}, qt, tiles / 2, n, col});
+    const uint8_t* vp = v.data_ptr<uint8_t>();
+    segs.push_back({vp, lay.inline_scales ? vp : s.data_ptr<uint8_t>(), at, lay.inline_scales, qt, tiles / 2, n, col});
     col += n;
   }
   const int64_t N = swiglu ? col / 2 : col;

@@ -67,7 +67,7 @@ void micro(const TileArgs& w, const Acts& x, int64_t row0, float* out, int64_t l
     VecF d[NT], dmin[NT];
     const uint8_t* sg[NT];
     for (int t = 0; t < NT; ++t) {
-      sg[t] = w.scales + t * w.scale_stride + G * lay.group_scale_bytes;
+      sg[t] = w.scales + t * w.scale_stride + G * w.scale_group;
       d[t] = load_f16(sg[t]);
       if constexpr (lay.affine) dmin[t] = load_f16(sg[t] + 32);
     }
@@ -89,8 +89,18 @@ void micro(const TileArgs& w, const Acts& x, int64_t row0, float* out, int64_t l
         }
       }
       const uint8_t* vb[NT];
-      for (int t = 0; t < NT; ++t) vb[t] = w.values + t * w.value_stride + b * lay.block_value_bytes;
-      {
+      for (int t = 0; t < NT; ++t) vb[t] = w.values + t * w.value_stride + G * w.value_group + j * lay.block_value_bytes;
+      if (w.inline_scales) {
+        // One sequential stream (the pair's scales and values, pairs one after another). One row
+        // leaves it to the hardware prefetcher (software prefetches slowed it: AMD EPYC Zen 4,
+        // 1 thread, Q4_0 gate_up 20.6 GB/s without, 17.2 with 4 KB ahead); more rows, whose
+        // compute runs longer per byte, fetch this block's share kPrefetchBytes ahead into L2.
+        if (MR > 1 && w.stream != nullptr) {
+          constexpr int64_t share = 2 * (lay.group_scale_bytes + lay.group_blocks * lay.block_value_bytes) / lay.group_blocks;
+          const uint8_t* p = w.stream + G * w.scale_group + j * share + kPrefetchBytes;
+          for (int l = 0; l < share; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T1);
+        }
+      } else {
         // Fetch the values kPrefetchBytes ahead into L2, in the order the driver reads them: past
         // a tile's end, the same place of the tile NT further on (the next call's; tiles lie one
         // after another), so each stream stays ahead across calls. (With several row blocks per

@@ -27,6 +27,12 @@
 // Memory equals the GGUF file's bytes except Q4_K / Q5_K (6-bit scales widened to bytes: +2.8%
 // and +2.3%) and the padding to an even number of tiles. Tensors: values [tiles, blocks * VB],
 // scales [tiles, groups * SB] (uint8).
+//
+// Inline layouts (Q4_0) keep a pair's scales next to its values, so that a pair of tiles is one
+// sequential stream (and a weight one stream per thread, pairs lying one after another): per tile
+// pair and scale group, tile 2p's scales, tile 2p + 1's, then tile 2p's values of the group's
+// blocks, then tile 2p + 1's (Q4_0: 32 + 32 + 256 + 256 = 576 bytes, 9 cache lines, per block).
+// Tensors: values [tiles / 2, groups * 2 * (SB + group_blocks * VB)], scales [tiles / 2, 0].
 #pragma once
 
 #include <cstdint>
@@ -46,6 +52,7 @@ struct Layout {
   int gguf_group_bytes;   // one row's bytes per scale group in the GGUF file
   int offset;             // subtracted from every stored value (Q8_0: the bias of 128)
   bool affine;            // has a per-block minimum (Q4_1, Q5_1, Q4_K, Q5_K)
+  bool inline_scales;     // the inline layout (see above)
 };
 
 constexpr bool known(int qtype) {
@@ -55,17 +62,40 @@ constexpr bool known(int qtype) {
 
 constexpr Layout layout(int qtype) {
   switch (qtype) {
-    case kQ8_0: return {8, 1, 512, 32, 34, 128, false};
-    case kQ4_0: return {4, 1, 256, 32, 18, 8, false};
-    case kQ4_1: return {4, 1, 256, 64, 20, 0, true};
-    case kQ5_0: return {5, 1, 320, 32, 22, 16, false};
-    case kQ5_1: return {5, 1, 320, 64, 24, 0, true};
-    case kQ4_K: return {4, 8, 256, 320, 144, 0, true};
-    case kQ5_K: return {5, 8, 320, 320, 176, 0, true};
-    default:    return {6, 8, 384, 288, 210, 32, false};  // Q6_K
+    case kQ8_0: return {8, 1, 512, 32, 34, 128, false, false};
+    case kQ4_0: return {4, 1, 256, 32, 18, 8, false, true};
+    case kQ4_1: return {4, 1, 256, 64, 20, 0, true, false};
+    case kQ5_0: return {5, 1, 320, 32, 22, 16, false, false};
+    case kQ5_1: return {5, 1, 320, 64, 24, 0, true, false};
+    case kQ4_K: return {4, 8, 256, 320, 144, 0, true, false};
+    case kQ5_K: return {5, 8, 320, 320, 176, 0, true, false};
+    default:    return {6, 8, 384, 288, 210, 32, false, false};  // Q6_K
   }
 }
 
 inline int64_t tiles_for(int64_t rows) { return (rows + 2 * kTileRows - 1) / (2 * kTileRows) * 2; }
+
+// Where a weight's tiles lie in its values and scales buffers (`groups` scale groups a row,
+// `tiles` tiles): tile t's block j of scale group G at values + value_at(t) + G * value_group +
+// j * VB, its scale group at scales + scale_at(t) + G * scale_group.
+struct Placement {
+  int64_t value_group, scale_group;  // bytes from one scale group to the next, within a tile
+  int64_t value_tile, scale_tile;    // bytes from tile 2p to tile 2p + 1
+  int64_t value_pair, scale_pair;    // bytes from pair p to pair p + 1
+  int64_t value_head;                // bytes before a pair's first values
+  int64_t value_at(int64_t tile) const { return tile / 2 * value_pair + value_head + tile % 2 * value_tile; }
+  int64_t scale_at(int64_t tile) const { return tile / 2 * scale_pair + tile % 2 * scale_tile; }
+  // The tensors' shapes for `tiles` tiles: {values rows, values cols, scales rows, scales cols}.
+  int64_t shape[4];
+};
+
+inline Placement placement(const Layout& lay, int64_t groups, int64_t tiles) {
+  const int64_t vg = lay.group_blocks * lay.block_value_bytes, sg = lay.group_scale_bytes;
+  if (lay.inline_scales) {
+    const int64_t unit = 2 * (sg + vg);  // one scale group of a pair
+    return {unit, unit, vg, sg, groups * unit, groups * unit, 2 * sg, {tiles / 2, groups * unit, tiles / 2, 0}};
+  }
+  return {vg, sg, groups * vg, groups * sg, 2 * groups * vg, 2 * groups * sg, 0, {tiles, groups * vg, tiles, groups * sg}};
+}
 
 }  // namespace pagoda_quant

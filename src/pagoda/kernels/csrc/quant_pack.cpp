@@ -248,7 +248,8 @@ void get_scales(int qtype, int r, const uint8_t* s, Group& g) {
 
 struct Geometry {
   Layout lay;
-  int64_t blocks, groups, tiles, value_stride, scale_stride;
+  int64_t blocks, groups, tiles;
+  Placement at;
 };
 
 Geometry geometry(int64_t qtype, int64_t K, int64_t rows, bool swiglu) {
@@ -260,7 +261,7 @@ Geometry geometry(int64_t qtype, int64_t K, int64_t rows, bool swiglu) {
   TORCH_CHECK(!swiglu || rows % 2 == 0, "quant: a gate/up weight needs an even number of rows, got ", rows);
   const int64_t blocks = K / kBlock, groups = K / group_values;
   const int64_t tiles = swiglu ? 2 * ((rows / 2 + kTileRows - 1) / kTileRows) : tiles_for(rows);
-  return {lay, blocks, groups, tiles, blocks * lay.block_value_bytes, groups * lay.group_scale_bytes};
+  return {lay, blocks, groups, tiles, placement(lay, groups, tiles)};
 }
 
 // Logical row n of a weight of `rows` rows -> its (tile, lane).
@@ -278,11 +279,12 @@ std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t qty
   const Geometry geo = geometry(qtype, K, N, swiglu);
   TORCH_CHECK(src_t.size(1) == geo.groups * geo.lay.gguf_group_bytes, "quant_pack: ", src_t.size(1),
               " bytes per row do not match ", K, " values of GGML type ", qtype);
-  at::Tensor values = at::zeros({geo.tiles, geo.value_stride}, raw.options());
-  at::Tensor scales = at::zeros({geo.tiles, geo.scale_stride}, raw.options());
+  const int64_t* shape = geo.at.shape;
+  at::Tensor values = at::zeros({shape[0], shape[1]}, raw.options());
+  at::Tensor scales = at::zeros({shape[2], shape[3]}, raw.options());
   const uint8_t* src = src_t.data_ptr<uint8_t>();
   uint8_t* dv = values.data_ptr<uint8_t>();
-  uint8_t* ds = scales.data_ptr<uint8_t>();
+  uint8_t* ds = geo.lay.inline_scales ? dv : scales.data_ptr<uint8_t>();
   const int qt = static_cast<int>(qtype);
   // Rows write disjoint bytes (lane r owns bytes 4r..4r+3 of every vector, and its scale entries).
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -291,11 +293,10 @@ std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t qty
       const auto [tile, r] = slot(n, N, swiglu);
       for (int64_t G = 0; G < geo.groups; ++G) {
         decode(qt, src + n * src_t.size(1) + G * geo.lay.gguf_group_bytes, g);
-        put_scales(qt, r, g, ds + tile * geo.scale_stride + G * geo.lay.group_scale_bytes);
-        for (int j = 0; j < geo.lay.group_blocks; ++j) {
-          const int64_t b = G * geo.lay.group_blocks + j;
-          put_values(geo.lay.bits, r, g.q + kBlock * j, dv + tile * geo.value_stride + b * geo.lay.block_value_bytes);
-        }
+        put_scales(qt, r, g, ds + geo.at.scale_at(tile) + G * geo.at.scale_group);
+        for (int j = 0; j < geo.lay.group_blocks; ++j)
+          put_values(geo.lay.bits, r, g.q + kBlock * j,
+                     dv + geo.at.value_at(tile) + G * geo.at.value_group + j * geo.lay.block_value_bytes);
       }
     }
   });
@@ -306,11 +307,12 @@ std::tuple<at::Tensor, at::Tensor> quant_pack(const at::Tensor& raw, int64_t qty
 at::Tensor quant_unpack(const at::Tensor& values, const at::Tensor& scales, int64_t qtype, int64_t K, int64_t rows,
                         bool swiglu, const at::Tensor& index) {
   const Geometry geo = geometry(qtype, K, rows, swiglu);
+  const int64_t* shape = geo.at.shape;
   TORCH_CHECK(values.scalar_type() == at::kByte && values.is_contiguous() && values.dim() == 2 &&
-                  values.size(0) == geo.tiles && values.size(1) == geo.value_stride,
+                  values.size(0) == shape[0] && values.size(1) == shape[1],
               "quant_unpack: values do not match the layout");
   TORCH_CHECK(scales.scalar_type() == at::kByte && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == geo.tiles && scales.size(1) == geo.scale_stride,
+                  scales.size(0) == shape[2] && scales.size(1) == shape[3],
               "quant_unpack: scales do not match the layout");
   TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong, "quant_unpack: index must be 1-D int64");
   const at::Tensor idx = index.contiguous();
@@ -320,7 +322,7 @@ at::Tensor quant_unpack(const at::Tensor& values, const at::Tensor& scales, int6
   for (int64_t i = 0; i < count; ++i)
     TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "quant_unpack: row ", ip[i], " out of range for ", rows, " rows");
   const uint8_t* sv = values.data_ptr<uint8_t>();
-  const uint8_t* ss = scales.data_ptr<uint8_t>();
+  const uint8_t* ss = geo.lay.inline_scales ? sv : scales.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int qt = static_cast<int>(qtype);
   at::parallel_for(0, count, 16, [&](int64_t i0, int64_t i1) {
@@ -328,11 +330,10 @@ at::Tensor quant_unpack(const at::Tensor& values, const at::Tensor& scales, int6
     for (int64_t i = i0; i < i1; ++i) {
       const auto [tile, r] = slot(ip[i], rows, swiglu);
       for (int64_t G = 0; G < geo.groups; ++G) {
-        get_scales(qt, r, ss + tile * geo.scale_stride + G * geo.lay.group_scale_bytes, g);
-        for (int j = 0; j < geo.lay.group_blocks; ++j) {
-          const int64_t b = G * geo.lay.group_blocks + j;
-          get_values(geo.lay.bits, r, sv + tile * geo.value_stride + b * geo.lay.block_value_bytes, g.q + kBlock * j);
-        }
+        get_scales(qt, r, ss + geo.at.scale_at(tile) + G * geo.at.scale_group, g);
+        for (int j = 0; j < geo.lay.group_blocks; ++j)
+          get_values(geo.lay.bits, r, sv + geo.at.value_at(tile) + G * geo.at.value_group + j * geo.lay.block_value_bytes,
+                     g.q + kBlock * j);
         encode(qt, g, dst + i * row_bytes + G * geo.lay.gguf_group_bytes);
       }
     }
@@ -340,9 +341,81 @@ at::Tensor quant_unpack(const at::Tensor& values, const at::Tensor& scales, int6
   return out;
 }
 
+// fp16 bits -> fp32 as the reference dequantizer converts them (numpy's rule: a NaN keeps its
+// payload, not quieted as F16C's conversion would).
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    uint32_t m = man;
+    do {
+      ++e;
+      m <<= 1;
+    } while ((m & 0x400) == 0);
+    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((m & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Whether `quant_dequant_rows` dequantizes this type: those whose reference is one product
+// d * (q - offset) per value (Q8_0, Q4_0, Q5_0), so that the float32 results are its bits.
+bool dequant_native(int qtype) { return qtype == kQ8_0 || qtype == kQ4_0 || qtype == kQ5_0; }
+
+// Rows `index` (logical) as float32 [count, K], straight from the tiles (an embedding's few
+// rows a step), equal bit for bit to the reference dequantizer of the file's bytes.
+at::Tensor quant_dequant_rows(const at::Tensor& values, const at::Tensor& scales, int64_t qtype, int64_t K,
+                              int64_t rows, bool swiglu, const at::Tensor& index) {
+  TORCH_CHECK(dequant_native(static_cast<int>(qtype)), "quant_dequant_rows: GGML type ", qtype,
+              " is not one of Q8_0, Q4_0, Q5_0");
+  const Geometry geo = geometry(qtype, K, rows, swiglu);
+  const int64_t* shape = geo.at.shape;
+  TORCH_CHECK(values.scalar_type() == at::kByte && values.is_contiguous() && values.dim() == 2 &&
+                  values.size(0) == shape[0] && values.size(1) == shape[1] && scales.scalar_type() == at::kByte &&
+                  scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == shape[2] &&
+                  scales.size(1) == shape[3],
+              "quant_dequant_rows: values and scales do not match the layout");
+  TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong, "quant_dequant_rows: index must be 1-D int64");
+  const at::Tensor idx = index.contiguous();
+  const int64_t count = idx.size(0);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "quant_dequant_rows: row ", ip[i], " out of range for ", rows, " rows");
+  at::Tensor out = at::empty({count, K}, values.options().dtype(at::kFloat));
+  const uint8_t* sv = values.data_ptr<uint8_t>();
+  const uint8_t* ss = geo.lay.inline_scales ? sv : scales.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  const int qt = static_cast<int>(qtype);
+  const int offset = geo.lay.offset;  // Q8_0: the stored q + 128
+  for (int64_t i = 0; i < count; ++i) {
+    const auto [tile, r] = slot(ip[i], rows, swiglu);
+    Group g;
+    for (int64_t G = 0; G < geo.groups; ++G) {
+      get_scales(qt, r, ss + geo.at.scale_at(tile) + G * geo.at.scale_group, g);
+      get_values(geo.lay.bits, r, sv + geo.at.value_at(tile) + G * geo.at.value_group, g.q);
+      const float d = half_to_float(g.d);
+      float* o = dst + i * K + G * kBlock;
+      for (int j = 0; j < kBlock; ++j) o[j] = d * static_cast<float>(static_cast<int>(g.q[j]) - offset);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 PAGODA_LIBRARY_FRAGMENT(m) {
+  m.def(
+      "quant_dequant_rows(Tensor values, Tensor scales, int qtype, int k, int rows, bool swiglu, Tensor index) -> "
+      "Tensor");
+  m.impl("quant_dequant_rows", c10::DispatchKey::CPU, TORCH_FN(quant_dequant_rows));
   m.def("quant_pack(Tensor raw, int qtype, int k, bool swiglu) -> (Tensor, Tensor)");
   m.def("quant_unpack(Tensor values, Tensor scales, int qtype, int k, int rows, bool swiglu, Tensor index) -> Tensor");
   m.impl("quant_pack", c10::DispatchKey::CPU, TORCH_FN(quant_pack));
