@@ -109,6 +109,11 @@ class Request:
         return limit
 
     @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0: finished once the prompt is computed; nothing is sampled."""
+        return self.max_tokens == 0
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

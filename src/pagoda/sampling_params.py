@@ -79,7 +79,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to max_model_len
+    # None: up to max_model_len. 0: a prompt-only request (vLLM's "echo with max_tokens 0"): the
+    # engine computes the prompt (its KV goes to the prefix cache) and its prompt logprobs if
+    # asked, samples nothing and finishes with reason "length".
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -138,8 +141,13 @@ class SamplingParams:
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
         )
         check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+            self.max_tokens is None
+            or (
+                isinstance(self.max_tokens, int)
+                and not isinstance(self.max_tokens, bool)
+                and self.max_tokens >= 0
+            ),
+            f"max_tokens must be an integer >= 0 (0: the prompt alone), got {self.max_tokens!r}",
         )
         check(
             isinstance(self.min_tokens, int) and self.min_tokens >= 0,
@@ -199,6 +207,12 @@ class SamplingParams:
             "prediction must be the predicted output's text or a list of token ids, got "
             f"{type(self.prediction).__name__}",
         )
+        if self.max_tokens == 0:  # an empty output cannot follow a constraint, nor repeat a prediction
+            for name, given in (
+                ("structured_outputs", self.structured_outputs is not None),
+                ("prediction", self.prediction is not None),
+            ):
+                check(not given, f"{name} needs max_tokens >= 1 (max_tokens 0 generates nothing)")
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 check(isinstance(tok, int) and tok >= 0, f"logit_bias keys must be token ids, got {tok!r}")
@@ -206,6 +220,11 @@ class SamplingParams:
                     isinstance(bias, int | float) and not isinstance(bias, bool) and -100.0 <= bias <= 100.0,
                     f"logit_bias values must be numbers in [-100, 100], got {bias!r}",
                 )
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0: the prompt is computed (and scored, if asked), nothing is sampled."""
+        return self.max_tokens == 0
 
     @property
     def greedy(self) -> bool:

@@ -24,9 +24,10 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True if this step computes the request's last known token, so a new one is sampled."""
+        """True if this step computes the request's last known token, so a new one is sampled
+        (never for a prompt-only request: its last token's logits are not needed)."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens and not r.prompt_only
 
 
 @dataclass

@@ -192,7 +192,9 @@ class EngineCore:
         self.drafter.end_step(r.request_id for r in self.scheduler.running)
         outputs = []
         for req in changed:
-            new = req.token_ids[verified[req.request_id] : req.num_tokens - req.num_draft_tokens]
+            # A prompt-only request that finished sampled nothing: no new tokens.
+            start = verified.get(req.request_id, req.num_tokens)
+            new = req.token_ids[start : req.num_tokens - req.num_draft_tokens]
             lp = result.logprobs.get(req.request_id)
             outputs.append(
                 EngineCoreOutput(
@@ -282,9 +284,11 @@ def _store_prompt_logprobs(req: Request, pos: int, entries: list[dict[int, Logpr
 
 
 def _take_prompt_logprobs(req: Request, new: list[int]) -> PromptLogprobs | None:
-    """The request's prompt logprobs, handed over once: with its first tokens (every position is
-    in by then); None on every other output."""
-    if not new or req.prompt_logprobs is None or req.prompt_logprobs_next is not None:
+    """The request's prompt logprobs, handed over once: with its first tokens, or its final output
+    for a prompt-only request (every position is in by then); None on every other output."""
+    if req.prompt_logprobs is None or req.prompt_logprobs_next is not None:
+        return None
+    if not new and not req.is_finished:
         return None
     entries, req.prompt_logprobs = req.prompt_logprobs, None
     return entries

@@ -120,6 +120,8 @@ class OutputProcessor:
                             new_ids = new_ids[: j + 1]
                         break
                 comp.new_text += delta
+            if group.first_token_time is None and not new_ids and out.finished:
+                group.num_cached_tokens = out.num_cached_tokens  # a prompt-only request's one output
             if new_ids:
                 if group.first_token_time is None:
                     group.first_token_time = now
