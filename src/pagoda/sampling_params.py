@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+MAX_NEXT_TOKEN_IDS = 256  # SamplingParams.next_token_ids: as many as a select has choices
 MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 _FLOAT_FIELDS = (
@@ -92,6 +93,10 @@ class SamplingParams:
     # `logprob_start_len` (SGLang's name, a pagoda extension) skips the positions before it.
     prompt_logprobs: int | None = None
     logprob_start_len: int | None = None
+    # A pagoda extension for scoring continuations of a prompt (pagoda.lang's select), with
+    # max_tokens 0 only: the logprob (and rank) of each of these token ids as the token after the
+    # prompt, from the prompt's last row (RequestOutput.next_token_logprobs).
+    next_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
@@ -207,6 +212,17 @@ class SamplingParams:
             "prediction must be the predicted output's text or a list of token ids, got "
             f"{type(self.prediction).__name__}",
         )
+        if isinstance(self.next_token_ids, tuple):
+            object.__setattr__(self, "next_token_ids", list(self.next_token_ids))
+        if self.next_token_ids is not None:
+            ids = self.next_token_ids
+            check(
+                isinstance(ids, list)
+                and 1 <= len(ids) <= MAX_NEXT_TOKEN_IDS
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids),
+                f"next_token_ids must be a list of 1 to {MAX_NEXT_TOKEN_IDS} token ids, got {ids!r:.80}",
+            )
+            check(self.max_tokens == 0, "next_token_ids needs max_tokens 0 (a prompt-only request)")
         if self.max_tokens == 0:  # an empty output cannot follow a constraint, nor repeat a prediction
             for name, given in (
                 ("structured_outputs", self.structured_outputs is not None),

@@ -5,7 +5,7 @@ request finishes with reason "length"; batches mixing them with ordinary request
 from __future__ import annotations
 
 import pytest
-from tests.engine.test_prompt_logprobs import assert_clean, check_entries, prompts
+from tests.engine.test_prompt_logprobs import assert_clean, check_entries, hf_logprobs, prompts
 
 from pagoda import LLM, SamplingParams
 
@@ -135,4 +135,33 @@ def test_prompt_only_streams_one_final_output(tiny_model_dirs):
         outs += engine.step()
     (out,) = outs
     assert out.finished and out.outputs[0].finish_reason == "length" and out.prompt_logprobs is not None
+    assert_clean(llm)
+
+
+def test_next_token_ids_score_the_token_after_the_prompt(tiny_model_dirs):
+    """SamplingParams.next_token_ids: each id's logprob and rank after the prompt, equal to
+    transformers' (and to the prompt logprob of that token as the next prompt token), from one
+    LM-head row; nothing is sampled."""
+    path = tiny_model_dirs["Qwen2ForCausalLM"]
+    llm = _llm(tiny_model_dirs, "Qwen2ForCausalLM")
+    rows = _logits_rows(llm)
+    prompt = prompts(1, seed=9, lo=20, hi=20)[0]
+    targets = [7, 3, 7, 200]
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=0, next_token_ids=targets))
+    assert sum(rows) == 1 and out.outputs[0].token_ids == []
+    ref = hf_logprobs(path, tuple(prompt))[-1]
+    assert set(out.next_token_logprobs) == {3, 7, 200}
+    for t, lp in out.next_token_logprobs.items():
+        assert abs(lp.logprob - ref[t].item()) < 1e-4
+        assert lp.rank == int((ref > ref[t]).sum()) + 1 and lp.decoded_token is not None
+    (longer,) = llm.generate([prompt + [200]], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert abs(longer.prompt_logprobs[-1][200].logprob - out.next_token_logprobs[200].logprob) < 1e-5
+    plain = llm.generate([prompt], SamplingParams(max_tokens=0))[0]
+    assert plain.next_token_logprobs is None
+    with pytest.raises(ValueError, match="next_token_ids needs max_tokens 0"):
+        SamplingParams(max_tokens=1, next_token_ids=[1])
+    with pytest.raises(ValueError, match="next_token_ids must be a list of 1 to 256"):
+        SamplingParams(max_tokens=0, next_token_ids=[])
+    with pytest.raises(ValueError, match="next_token_ids entry 99999 is not in"):
+        llm.generate([prompt], SamplingParams(max_tokens=0, next_token_ids=[99999]))
     assert_clean(llm)

@@ -169,6 +169,8 @@ class EngineCore:
         requests = self.scheduler.requests
         for rid, (pos, entries) in result.prompt_logprobs.items():
             _store_prompt_logprobs(requests[rid], pos, entries)
+        for rid, entry in result.next_token_logprobs.items():
+            requests[rid].next_token_logprobs = entry
         sampled = result.sampled
         failed: dict[str, str] = {}  # request id -> why it fails
         num_running = len(self.scheduler.running)
@@ -205,6 +207,7 @@ class EngineCore:
                     req.stop_reason,
                     max(req.num_cached_tokens, 0),
                     prompt_logprobs=_take_prompt_logprobs(req, new),
+                    next_token_logprobs=req.next_token_logprobs if req.is_finished else None,
                     prediction_tokens=self.drafter.prediction_tokens(req.request_id),
                 )
             )

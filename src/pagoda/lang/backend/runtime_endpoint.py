@@ -143,8 +143,7 @@ class RuntimeEndpoint(Backend):
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompts,
-            "max_tokens": 1,
-            "temperature": 0.0,
+            "max_tokens": 0,  # prompt-only: nothing sampled
             "prompt_logprobs": 0,
         }
         if self._feature("logprob_start_len"):
@@ -181,8 +180,7 @@ class RuntimeEndpoint(Backend):
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": [prompt + choice for choice in choices],
-            "max_tokens": 1,
-            "temperature": 0.0,
+            "max_tokens": 0,  # prompt-only: nothing sampled
             "prompt_logprobs": 0,
             "logprob_start_len": first,
             "return_token_ids": True,
