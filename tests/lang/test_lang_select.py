@@ -196,3 +196,25 @@ def test_select_in_process_computes_each_row_once(engine_backend, reference) -> 
     for tokens, want in zip(got, ref["cond"], strict=True):
         assert [t[0] for t in tokens] == pytest.approx(want, abs=1e-4)
     assert state["v"] == choices[max(range(4), key=lambda i: (_mean(ref["cond"][i]), -i))]
+
+
+# After "...: th", the tokenizer merges " the" into one token: "e ..." re-tokenizes the prompt's
+# end, and "e" / "en" leave prompt + choice no longer than the prompt.
+@pytest.mark.parametrize("choices", [["e whole story", "ink so"], ["e", "en"]])
+def test_select_over_http_where_choices_merge_with_the_prompt(http_backend, engine_backend, choices) -> None:
+    """Choices that re-tokenize the prompt's end (or leave a prompt + choice no longer than the
+    prompt) are scored from their true start, over HTTP as in process (which then takes its
+    general path)."""
+    prompt = "Sentiment: th"
+    ids = engine_backend.tokenize(prompt)
+    assert engine_backend.tokenize(prompt + "e")[: len(ids)] != ids  # the merge this test is about
+
+    @pl.function
+    def pick(s):
+        s += prompt + pl.select("v", choices=choices)
+
+    remote, local = pick.run(backend=http_backend), pick.run(backend=engine_backend)
+    assert remote["v"] == local["v"]
+    a, b = (st.get_meta_info("v")["input_token_logprobs"] for st in (remote, local))
+    assert [[t[1] for t in x] for x in a] == [[t[1] for t in x] for x in b]
+    assert [[t[0] for t in x] for x in a] == [pytest.approx([t[0] for t in x], abs=1e-5) for x in b]
