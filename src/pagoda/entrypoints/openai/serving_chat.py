@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagoda.engine.async_engine import RequestStream
-from pagoda.entrypoints.openai.chat_render import render_chat
+from pagoda.entrypoints.openai.chat_render import RenderedChat, render_chat
 from pagoda.entrypoints.openai.chat_reply import ChoiceDelta, ReplyPlan, plan_reply
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.limits import check_body, constraint_field
@@ -69,8 +69,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         state.limits.check_messages(body.messages, state.engine.max_model_len)  # before the template runs
     except LimitError as exc:
         raise param_error(exc) from None
-    rendered = render_chat(state.engine.tokenizer, state.chat, body.messages, body)
-    prompt_ids = state.tokenize(rendered.prompt_ids, param="messages")
+    rendered, prompt_ids = await state.off_loop(lambda: _render(state, body))
     try:
         plan = plan_reply(body, state.chat, prompt_state(rendered.tail), params.skip_special_tokens)
         if plan.tools_constrain and plan.structured is not None:  # built from the request's tools
@@ -148,6 +147,12 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         usage=usage,
         prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs),
     )
+
+
+def _render(state: ServerState, body: ChatCompletionRequest) -> tuple[RenderedChat, list[int]]:
+    """The rendered chat and its validated prompt ids (blocking: the tokenizer thread's)."""
+    rendered = render_chat(state.engine.tokenizer, state.chat, body.messages, body)
+    return rendered, state.tokenize(rendered.prompt_ids, param="messages")
 
 
 def _finish_reason(reason: str | None, has_calls: bool, named: bool) -> str | None:
