@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _model_format(model: str) -> str:
     """How a model's weights are stored, from its files alone (nothing is loaded)."""
-    from pagoda.json_file import read_json_object
+    from pagoda.json_input import read_json_object
     from pagoda.quant.gguf_file import GGUFFile, is_gguf_path
 
     if is_gguf_path(model):

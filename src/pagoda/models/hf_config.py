@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pagoda.json_file import read_json_object
+from pagoda.json_input import read_json_object
 from pagoda.layers.rotary import RopeConfig
 from pagoda.models.config import ModelArchConfig
 from pagoda.models.registry import ModelFamily, get_model_family

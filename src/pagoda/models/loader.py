@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from pagoda.attention.backend import get_attention_backend
 from pagoda.distributed import SINGLE, ParallelGroup
-from pagoda.json_file import read_json_object
+from pagoda.json_input import read_json_object
 from pagoda.layers.sharding import LazyTensor
 from pagoda.models.base import CausalLM
 from pagoda.models.gguf import iter_gguf_checkpoint, parse_gguf_config

@@ -16,7 +16,7 @@ from pathlib import Path
 import gguf
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagoda.json_file import read_json_object
+from pagoda.json_input import read_json_object
 from pagoda.quant.gguf_file import GGUFFile
 
 # Control tokens llama.cpp also treats as end of generation (besides eos / eot / eom ids).

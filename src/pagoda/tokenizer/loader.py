@@ -7,7 +7,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagoda.json_file import read_json_object
+from pagoda.json_input import read_json_object
 from pagoda.quant.gguf_file import is_gguf_path
 from pagoda.tokenizer.gguf import gguf_eos_token_ids, load_gguf_tokenizer
 
