@@ -42,13 +42,12 @@ from pagoda.entrypoints.openai.serving_common import (
     StreamResponse,
     check_logprob_start,
     checked,
-    collect,
+    collect_unless_disconnected,
     error_event,
     make_usage,
     param_error,
     sse,
     top_entries,
-    unless_disconnected,
 )
 from pagoda.entrypoints.openai.tool_parsers import merge_calls
 from pagoda.limits import LimitError
@@ -101,10 +100,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         raise
     if body.stream:
         return StreamResponse(_stream(state, body, plan, stream, model, request_id, len(prompt_ids)), stream)
-    try:
-        result = await unless_disconnected(raw, collect(stream))
-    finally:
-        stream.abort()
+    result = await collect_unless_disconnected(raw, stream)
     if isinstance(result, Response):
         return result
     (out,) = result

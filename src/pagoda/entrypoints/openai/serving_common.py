@@ -255,6 +255,17 @@ async def collect(stream: RequestStream) -> list[RequestOutput]:
         raise APIError(str(exc), 500, code="generation_error") from None
 
 
+async def collect_unless_disconnected(
+    request: Request, stream: RequestStream
+) -> list[RequestOutput] | Response:
+    """`collect(stream)`, or an empty 499 if the client disconnects first; the stream's requests are
+    aborted however it ends."""
+    try:
+        return await unless_disconnected(request, collect(stream))
+    finally:
+        stream.abort()
+
+
 def error_event(exc: Exception) -> str:
     """An error in the middle of a stream, as an SSE event (the status line is already sent)."""
     status = 503 if isinstance(exc, EngineDeadError) else 500

@@ -27,13 +27,12 @@ from pagoda.entrypoints.openai.serving_common import (
     StreamResponse,
     check_logprob_start,
     checked,
-    collect,
+    collect_unless_disconnected,
     error_event,
     make_usage,
     param_error,
     sse,
     top_entries,
-    unless_disconnected,
 )
 from pagoda.limits import LimitError
 from pagoda.outputs import CompletionOutput, Logprob
@@ -75,10 +74,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     if body.stream:
         events = _stream(state, body, stream, model, base_id, index_of, echoes, prompt_ids)
         return StreamResponse(events, stream)
-    try:
-        result = await unless_disconnected(raw, collect(stream))
-    finally:
-        stream.abort()
+    result = await collect_unless_disconnected(raw, stream)
     if isinstance(result, Response):
         return result
     choices = []
