@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -193,6 +194,16 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
+def freeze_startup_heap() -> None:
+    """Move everything alive now (modules, model, tokenizer: hundreds of thousands of objects) out
+    of the garbage collector's generations, as vLLM and SGLang do after start-up: a full collection
+    walks every tracked object, and one over the start-up heap stopped the event loop (and every
+    stream) for about 300 ms during a burst of requests. Garbage made later is collected as usual."""
+    gc.collect()
+    gc.freeze()
+    logger.info("froze %d start-up objects out of the garbage collector", gc.get_freeze_count())
+
+
 def run_server(engine_args: EngineArgs, config: ServerArgs) -> int:
     """Load the model, serve until SIGINT/SIGTERM, then finish or abort in-flight requests. Returns 0,
     or 1 if the engine died of an error (which also stops the server)."""
@@ -236,6 +247,7 @@ def run_server(engine_args: EngineArgs, config: ServerArgs) -> int:
     engine.core.executor.watch(rank_died)
     if state.engine.error is not None:  # it died before the callback was set
         server.should_exit = True
+    freeze_startup_heap()
     try:
         logger.info("serving %s on http://%s:%d", state.model_names[0], config.host, config.port)
         server.run()

@@ -1,12 +1,17 @@
-"""The server's tokenizer work (prompts, chat templates, /tokenize, /detokenize) runs off its event
-loop: while a burst of requests is held inside the tokenizer, /health answers and a stream already
-running keeps sending its chunks; once the tokenizer goes on, every request of the burst is answered
-as without the hold (errors included), and requests reach the engine in the order they were
-tokenized. A server in this process (uvicorn on a thread) whose tokenizer waits at a gate for the
-burst's inputs; no timing decides a result beyond generous timeouts."""
+"""What would stall the server's event loop stays off it.
+
+The tokenizer work (prompts, chat templates, /tokenize, /detokenize): while a burst of requests is
+held inside the tokenizer, /health answers and a stream already running keeps sending its chunks;
+once the tokenizer goes on, every request of the burst is answered as without the hold (errors
+included), and requests reach the engine in the order they were tokenized. A server in this process
+(uvicorn on a thread) whose tokenizer waits at a gate for the burst's inputs; no timing decides a
+result beyond generous timeouts.
+
+The garbage collector's walks over the start-up heap: `pagoda serve` freezes it before serving."""
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -204,3 +209,22 @@ def test_health_and_streams_answer_while_a_burst_is_tokenized(served, kind: str)
     expected = {tuple(ids): i for i, (_, _, ids) in enumerate(burst) if ids is not None}
     order = [expected[tuple(p)] for p in added if tuple(p) in expected]
     assert order == [i for i in gated.passed if i in expected.values()]
+
+
+def test_serve_freezes_the_start_up_heap(tiny_llama_dir: str, monkeypatch) -> None:
+    import uvicorn
+
+    from pagoda.config import EngineArgs
+    from pagoda.entrypoints.openai.app import run_server
+    from pagoda.entrypoints.server_args import ServerArgs
+
+    frozen_when_serving: list[int] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: frozen_when_serving.append(gc.get_freeze_count()))
+    try:
+        assert gc.get_freeze_count() == 0
+        code = run_server(EngineArgs(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64), ServerArgs())
+    finally:
+        gc.unfreeze()
+    assert code == 0
+    (count,) = frozen_when_serving
+    assert count > 10_000  # the modules, the model and the tokenizer
