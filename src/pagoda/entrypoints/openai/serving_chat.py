@@ -44,6 +44,7 @@ from pagoda.entrypoints.openai.serving_common import (
     checked,
     collect_unless_disconnected,
     error_event,
+    json_response,
     make_usage,
     param_error,
     sse,
@@ -135,13 +136,15 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         counts.add(c.index, c)
     num_completion = sum(len(c.token_ids) for c in out.outputs)
     usage = make_usage(len(prompt_ids), num_completion, out.num_cached_tokens, counts.totals())
-    return ChatCompletionResponse(
-        id=request_id,
-        created=now_s(),
-        model=model,
-        choices=choices,
-        usage=usage,
-        prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs),
+    return json_response(
+        ChatCompletionResponse(
+            id=request_id,
+            created=now_s(),
+            model=model,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs),
+        )
     )
 
 

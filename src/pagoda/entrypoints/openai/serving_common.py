@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from pagoda.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestStream
@@ -127,6 +128,12 @@ class ServerState:
             raise APIError(str(exc), 503, code="server_overloaded") from None
         except ValueError as exc:
             raise APIError(str(exc), param=getattr(exc, "param", None)) from None
+
+
+def json_response(body: BaseModel) -> Response:
+    """A whole response, serialized by pydantic. (Returned as a model, FastAPI would walk it with its
+    generic encoder on the event loop: 54 ms instead of 2 ms for 1,000 prompt logprobs.)"""
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 def param_error(exc: ParamError | LimitError, renamed: dict[str, str] | None = None) -> APIError:

@@ -29,6 +29,7 @@ from pagoda.entrypoints.openai.serving_common import (
     checked,
     collect_unless_disconnected,
     error_event,
+    json_response,
     make_usage,
     param_error,
     sse,
@@ -111,7 +112,9 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
             )
     choices.sort(key=lambda c: c.index)
     usage = make_usage(sum(map(len, prompt_ids)), num_completion, num_cached, counts.totals())
-    return CompletionResponse(id=base_id, created=now_s(), model=model, choices=choices, usage=usage)
+    return json_response(
+        CompletionResponse(id=base_id, created=now_s(), model=model, choices=choices, usage=usage)
+    )
 
 
 def _prepare(
