@@ -228,3 +228,18 @@ def test_serve_freezes_the_start_up_heap(tiny_llama_dir: str, monkeypatch) -> No
     assert code == 0
     (count,) = frozen_when_serving
     assert count > 10_000  # the modules, the model and the tokenizer
+
+
+def test_whole_responses_are_serialized_by_pydantic() -> None:
+    """Non-streamed responses go out as pydantic writes them (not through FastAPI's encoder on the
+    event loop): the same JSON as a stream's chunks, a non-finite logprob as null."""
+    import json
+
+    from pagoda.entrypoints.openai.protocol import ChatLogprobs, ChatLogprobToken
+    from pagoda.entrypoints.openai.serving_common import json_response
+
+    body = ChatLogprobs(content=[ChatLogprobToken(token="a", logprob=float("-inf"), bytes=[97])])
+    response = json_response(body)
+    assert response.media_type == "application/json"
+    assert response.body == body.model_dump_json().encode()
+    assert json.loads(response.body)["content"][0]["logprob"] is None
