@@ -39,14 +39,15 @@ def read_bandwidth(clock: Callable[[], float]) -> float:
     return buf.numel() * 4 / best / 1e9
 
 
-def bench(types: list[str], ms: list[int], rounds: int) -> None:
+def bench(types: list[str], ms: list[int], rounds: int, per_shape: bool = False) -> None:
     """The linear layers of Qwen2.5-0.5B's shape on the integer kernel against the bf16 kernel.
     Up to 64 rows, 24 layers of distinct weights (a pass streams them from memory, as decode
     does); more rows are bound by arithmetic and time 2 layers. Times are per 24 layers.
 
     With one thread the times are process CPU time (others' load on the machine then costs
     little), else wall time. Up to 8 rows, the integer kernel's GB/s is also given as a share of
-    the read bandwidth probe's (same threads and clock): its roofline."""
+    the read bandwidth probe's (same threads and clock): its roofline. With `per_shape`, each
+    layer shape is also timed alone (its 24 copies streamed), int and bf16 alternating."""
     if not available():
         raise SystemExit(f"kernels unavailable: {status().reason}")
     threads = torch.get_num_threads()
@@ -86,15 +87,15 @@ def bench(types: list[str], ms: list[int], rounds: int) -> None:
             ]
             xs = {name: torch.randn(m, k, generator=gen).bfloat16() for name, _, k in SHAPES}
 
-            def run_q(layers_q=layers_q, xs=xs):
+            def run_q(layers_q=layers_q, xs=xs, names=tuple(quant)):
                 for layer in layers_q:
-                    for name, p in layer.items():
-                        linear(xs[name], [p])
+                    for name in names:
+                        linear(xs[name], [layer[name]])
 
-            def run_b(layers_b=layers_b, xs=xs):
+            def run_b(layers_b=layers_b, xs=xs, names=tuple(quant)):
                 for layer in layers_b:
-                    for name, p in layer.items():
-                        cpu_gemm.linear(xs[name], p)
+                    for name in names:
+                        cpu_gemm.linear(xs[name], layer[name])
 
             scale = LAYERS / layers
             tq = median_time(run_q, rounds, clock) * scale
@@ -108,6 +109,16 @@ def bench(types: list[str], ms: list[int], rounds: int) -> None:
                 f"bf16 {tb * 1e3:9.2f} ms ({gmac / tb:6.1f} GMAC/s)  int/bf16 speed x{tb / tq:.2f}",
                 flush=True,
             )
+            if per_shape:
+                for name, n, k in SHAPES:
+                    tq = median_time(lambda name=name: run_q(names=(name,)), rounds, clock) * scale
+                    tb = median_time(lambda name=name: run_b(names=(name,)), rounds, clock) * scale
+                    gmac = m * n * k * LAYERS / 1e9
+                    print(
+                        f"  {name:<8} {n}x{k:<5} int {tq * 1e3:8.2f} ms ({gmac / tq:6.1f} GMAC/s)  "
+                        f"bf16 {tb * 1e3:8.2f} ms ({gmac / tb:6.1f} GMAC/s)  x{tb / tq:.2f}",
+                        flush=True,
+                    )
             del layers_q, layers_b
 
 
@@ -121,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--m", default="1,8,32,256,2048", help="comma-separated row counts")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per shape (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--per-shape", action="store_true", help="also time each layer shape alone")
     args = parser.parse_args(argv)
     try:
         ms = [int(v) for v in args.m.split(",")]
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--threads must be >= 1")
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO)
-    bench(types, ms, args.rounds)
+    bench(types, ms, args.rounds, args.per_shape)
 
 
 if __name__ == "__main__":
