@@ -17,12 +17,19 @@ from pagoda.kernels import cpu_gemm
 from pagoda.kernels.build import available, ops, status
 from pagoda.kernels.cpu_gemm import QWEN25_05B_LAYERS, QWEN25_05B_SHAPES, median_time
 from pagoda.kernels.cpu_quant import SUPPORTED, PackedQuant, dot_kind, linear, pack
+from pagoda.kernels.memory import huge_page_copy
 from pagoda.quant.formats import GGMLType
 from pagoda.quant.tensor import GGMLTensor
 
 # (name, N, K) of Qwen2.5-0.5B's linear layers (gate_up counts gate and up), without the LM head.
 SHAPES = tuple((name, n, k) for name, n, k, _ in QWEN25_05B_SHAPES if not name.startswith("lm_head"))
 LAYERS = QWEN25_05B_LAYERS
+
+
+def _distinct(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a packed tensor in fresh memory, on huge pages as packing puts it."""
+    copy = huge_page_copy(t)
+    return copy if copy is not t else t.clone()
 
 
 def read_bandwidth(clock: Callable[[], float]) -> float:
@@ -73,14 +80,14 @@ def bench(types: list[str], ms: list[int], rounds: int, per_shape: bool = False)
             # Copies per layer (same values, distinct memory) so that a pass reads every layer's bytes.
             layers_q = [
                 {
-                    n: PackedQuant(p.qtype, p.values.clone(), p.scales.clone(), p.rows, p.cols, p.swiglu)
+                    n: PackedQuant(p.qtype, _distinct(p.values), _distinct(p.scales), p.rows, p.cols, p.swiglu)
                     for n, p in quant.items()
                 }
                 for _ in range(layers)
             ]
             layers_b = [
                 {
-                    n: cpu_gemm.PackedWeight(p.data.clone(), p.out_features, p.in_features, p.swiglu, p.bias)
+                    n: cpu_gemm.PackedWeight(_distinct(p.data), p.out_features, p.in_features, p.swiglu, p.bias)
                     for n, p in bf16.items()
                 }
                 for _ in range(layers)
