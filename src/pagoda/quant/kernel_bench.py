@@ -80,14 +80,18 @@ def bench(types: list[str], ms: list[int], rounds: int, per_shape: bool = False)
             # Copies per layer (same values, distinct memory) so that a pass reads every layer's bytes.
             layers_q = [
                 {
-                    n: PackedQuant(p.qtype, _distinct(p.values), _distinct(p.scales), p.rows, p.cols, p.swiglu)
+                    n: PackedQuant(
+                        p.qtype, _distinct(p.values), _distinct(p.scales), p.rows, p.cols, p.swiglu
+                    )
                     for n, p in quant.items()
                 }
                 for _ in range(layers)
             ]
             layers_b = [
                 {
-                    n: cpu_gemm.PackedWeight(_distinct(p.data), p.out_features, p.in_features, p.swiglu, p.bias)
+                    n: cpu_gemm.PackedWeight(
+                        _distinct(p.data), p.out_features, p.in_features, p.swiglu, p.bias
+                    )
                     for n, p in bf16.items()
                 }
                 for _ in range(layers)
