@@ -7,8 +7,8 @@ them (`madvise(MADV_HUGEPAGE)`, the default "madvise" mode of transparent huge p
 `huge_page_copy` copies a packed weight into such memory: slabs of private anonymous memory,
 2 MiB-aligned and advised before first touch, handed out in 4 KiB-aligned pieces (so that the
 small weights of a layer share huge pages too). Measured on an AMD EPYC (Zen 4, 1 thread, CPU
-time, 24 layers of Qwen2.5-0.5B's shape streamed): the Q8_0 GEMM at 16 rows 1.01-1.14x faster
-per layer shape, at 64 rows up to 1.05x.
+time, 24 layers of Qwen2.5-0.5B's shape streamed, two runs): the Q8_0 GEMM 1.01-1.21x faster per
+layer shape at 16 rows, 0.98-1.08x at 64; the bf16 GEMM 1.06-1.24x at 16 rows, 1.02-1.08x at 64.
 
 Where the OS has no huge pages (another OS, THP "never") the copy still works and simply runs
 on small pages. A slab lives as long as any tensor cut from it.
