@@ -11,7 +11,8 @@ time, 24 layers of Qwen2.5-0.5B's shape streamed, two runs): the Q8_0 GEMM 1.01-
 layer shape at 16 rows, 0.98-1.08x at 64; the bf16 GEMM 1.06-1.24x at 16 rows, 1.02-1.08x at 64.
 
 Where the OS has no huge pages (another OS, THP "never") the copy still works and simply runs
-on small pages. A slab lives as long as any tensor cut from it.
+on small pages. A slab lives as long as any tensor cut from it; the allocator holds the slab it
+is filling, so after a model is freed up to one slab's touched pages stay until the next starts.
 """
 
 from __future__ import annotations
