@@ -48,3 +48,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None
+    # SamplingParams.next_token_ids: token id -> its Logprob as the token after the prompt.
+    next_token_logprobs: dict[int, Logprob] | None = None

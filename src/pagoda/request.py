@@ -75,6 +75,8 @@ class Request:
         # n > 1 prompt share one set, computed by the first (the others copy its prompt KV).
         self.prompt_logprobs: list[dict | None] | None = None
         self.prompt_logprobs_next: int | None = None
+        # SamplingParams.next_token_ids: their entries, set by the engine core with the last row.
+        self.next_token_logprobs: dict | None = None
         if params.prompt_logprobs is not None and fork_source is None:
             start = max(1, params.logprob_start_len or 0)
             self.prompt_logprobs = [None] * self.num_prompt_tokens
@@ -107,6 +109,11 @@ class Request:
         if self.prompt_logprobs_next is not None:
             limit = min(limit, self.prompt_logprobs_next - 1)
         return limit
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0: finished once the prompt is computed; nothing is sampled."""
+        return self.max_tokens == 0
 
     @property
     def is_finished(self) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+MAX_NEXT_TOKEN_IDS = 256  # SamplingParams.next_token_ids: as many as a select has choices
 MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 _FLOAT_FIELDS = (
@@ -79,7 +80,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to max_model_len
+    # None: up to max_model_len. 0: a prompt-only request (vLLM's "echo with max_tokens 0"): the
+    # engine computes the prompt (its KV goes to the prefix cache) and its prompt logprobs if
+    # asked, samples nothing and finishes with reason "length".
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -89,6 +93,10 @@ class SamplingParams:
     # `logprob_start_len` (SGLang's name, a pagoda extension) skips the positions before it.
     prompt_logprobs: int | None = None
     logprob_start_len: int | None = None
+    # A pagoda extension for scoring continuations of a prompt (pagoda.lang's select), with
+    # max_tokens 0 only: the logprob (and rank) of each of these token ids as the token after the
+    # prompt, from the prompt's last row (RequestOutput.next_token_logprobs).
+    next_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
@@ -138,8 +146,13 @@ class SamplingParams:
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
         )
         check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+            self.max_tokens is None
+            or (
+                isinstance(self.max_tokens, int)
+                and not isinstance(self.max_tokens, bool)
+                and self.max_tokens >= 0
+            ),
+            f"max_tokens must be an integer >= 0 (0: the prompt alone), got {self.max_tokens!r}",
         )
         check(
             isinstance(self.min_tokens, int) and self.min_tokens >= 0,
@@ -199,6 +212,23 @@ class SamplingParams:
             "prediction must be the predicted output's text or a list of token ids, got "
             f"{type(self.prediction).__name__}",
         )
+        if isinstance(self.next_token_ids, tuple):
+            object.__setattr__(self, "next_token_ids", list(self.next_token_ids))
+        if self.next_token_ids is not None:
+            ids = self.next_token_ids
+            check(
+                isinstance(ids, list)
+                and 1 <= len(ids) <= MAX_NEXT_TOKEN_IDS
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids),
+                f"next_token_ids must be a list of 1 to {MAX_NEXT_TOKEN_IDS} token ids, got {ids!r:.80}",
+            )
+            check(self.max_tokens == 0, "next_token_ids needs max_tokens 0 (a prompt-only request)")
+        if self.max_tokens == 0:  # an empty output cannot follow a constraint, nor repeat a prediction
+            for name, given in (
+                ("structured_outputs", self.structured_outputs is not None),
+                ("prediction", self.prediction is not None),
+            ):
+                check(not given, f"{name} needs max_tokens >= 1 (max_tokens 0 generates nothing)")
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 check(isinstance(tok, int) and tok >= 0, f"logit_bias keys must be token ids, got {tok!r}")
@@ -206,6 +236,11 @@ class SamplingParams:
                     isinstance(bias, int | float) and not isinstance(bias, bool) and -100.0 <= bias <= 100.0,
                     f"logit_bias values must be numbers in [-100, 100], got {bias!r}",
                 )
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0: the prompt is computed (and scored, if asked), nothing is sampled."""
+        return self.max_tokens == 0
 
     @property
     def greedy(self) -> bool:

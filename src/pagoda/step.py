@@ -23,10 +23,16 @@ class ScheduledRequest:
     block_ids: list[int]  # its block table, from the KV manager (read-only here)
 
     @property
-    def samples(self) -> bool:
-        """True if this step computes the request's last known token, so a new one is sampled."""
+    def completes(self) -> bool:
+        """True if this step computes the request's last known token."""
         r = self.request
         return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True if this step computes the request's last known token, so a new one is sampled
+        (never for a prompt-only request: its last token's logits are not needed)."""
+        return self.completes and not self.request.prompt_only
 
 
 @dataclass

@@ -202,7 +202,7 @@ def test_bad_requests_raise_clear_errors(tiny_model_dirs, prompt, params, messag
 
 def test_bad_parameters_and_models(tmp_path, tiny_model_dirs):
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="top_p"):

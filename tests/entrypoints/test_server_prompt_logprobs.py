@@ -124,7 +124,8 @@ def test_chat_prompt_logprobs(pagoda_server, served_model, reference):
         ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
         ("/v1/completions", {"logprob_start_len": 1}, "logprob_start_len"),
         ("/v1/completions", {"prompt_logprobs": 0, "logprob_start_len": 500}, "logprob_start_len"),
-        ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"max_tokens": -1}, "max_tokens"),
+        ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
         ("/v1/chat/completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
         ("/v1/chat/completions", {"prompt_logprobs": 0, "logprob_start_len": 500}, "logprob_start_len"),
     ],
@@ -187,3 +188,33 @@ def test_completions_return_token_ids(pagoda_server, served_model):
     )
     bad = _post(pagoda_server, "/v1/completions", {**body, "return_token_ids": "yes"})
     assert bad.status_code == 400 and "return_token_ids" in bad.text
+
+
+def test_completions_prompt_only(pagoda_server, served_model, reference):
+    """max_tokens 0 without echo: vLLM's prompt_logprobs of the prompt alone, or the prompt put in
+    the prefix cache (the next request's hit); streamed with echo: one chunk, the prompt."""
+    prompt = "A prompt that only goes into the cache, nothing generated after it."
+    ids = _tokens(pagoda_server, served_model, prompt=prompt)
+    body = {"model": served_model, "prompt": prompt, "max_tokens": 0}
+    scored = _post(pagoda_server, "/v1/completions", {**body, "prompt_logprobs": 1}).json()
+    (choice,) = scored["choices"]
+    assert choice["text"] == "" and choice["finish_reason"] == "length" and choice["logprobs"] is None
+    assert scored["usage"]["completion_tokens"] == 0 and scored["usage"]["prompt_tokens"] == len(ids)
+    check_vllm_entries(reference, ids, choice["prompt_logprobs"], 1)
+    longer = prompt + " And then more."
+    _post(pagoda_server, "/reset_prefix_cache", {})
+    plain = _post(pagoda_server, "/v1/completions", {**body, "prompt": longer}).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None and plain["usage"]["completion_tokens"] == 0
+    again = _post(pagoda_server, "/v1/completions", {**body, "prompt": longer, "max_tokens": 2}).json()
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # all of it but the last token, whose logits the sampled token needs
+    assert cached == again["usage"]["prompt_tokens"] - 1
+    with httpx.stream(
+        "POST",
+        pagoda_server + "/v1/completions",
+        json={**body, "echo": True, "stream": True},
+        timeout=TIMEOUT,
+    ) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    (chunk,) = chunks
+    assert chunk["choices"][0]["text"] == prompt and chunk["choices"][0]["finish_reason"] == "length"

@@ -8,6 +8,7 @@ a real engine (tokenizing, choice spans, the prefix commit, the decision) is che
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import pagoda.lang as pl
+from pagoda.lang.backend.base import Backend
 
 PROMPT = "Review: the soup was cold and the waiter never came back to our table\nSentiment:"
 # "positive" and "positively" share their first tokens; " pos" and " neg" start with a space token.
@@ -130,6 +132,10 @@ def test_select_plumbing_with_transformers_as_the_scorer(engine_backend, referen
 
     monkeypatch.setattr(engine_backend, "supports_prompt_logprobs", lambda: True)
     monkeypatch.setattr(engine_backend, "prompt_logprobs", prompt_logprobs)
+    # The base class's scoring (one prompt_logprobs call for all choices), not pl.Engine's own.
+    monkeypatch.setattr(
+        engine_backend, "score_choices", functools.partial(Backend.score_choices, engine_backend)
+    )
     # Everything else is the real engine (tokenization); select sends no commit, so the scoring
     # calls (replaced here) are its only requests.
     before = engine_backend.usage
@@ -161,3 +167,54 @@ def test_select_over_http_tokenizes_the_prompt_only(http_backend, engine_backend
     assert state.get_meta_info("v")["normalized_prompt_logprobs"] == pytest.approx(
         local.get_meta_info("v")["normalized_prompt_logprobs"], abs=1e-5
     )
+
+
+def test_select_in_process_computes_each_row_once(engine_backend, reference) -> None:
+    """pl.Engine's scoring: after the prompt, the engine computes the prompt's last token once
+    and each choice's tokens but its last (whose KV and logits nobody reads); choices sharing a
+    first token, one-token choices among them, score as transformers does."""
+    choices = [" positive", " positively", "p", " negative"]
+    prompt_ids = engine_backend.tokenize(PROMPT)
+    lengths = [len(engine_backend.tokenize(PROMPT + c)) - len(prompt_ids) for c in choices]
+    assert 1 in lengths and max(lengths) >= 3
+    core = engine_backend._engine.engine.core
+    engine_backend.flush_cache()
+    engine_backend.commit(PROMPT[:-4])  # all of the prompt cached but its last few tokens
+    uncached = len(prompt_ids) - len(engine_backend.tokenize(PROMPT[:-4]))
+    before = core.stats().num_computed_tokens
+
+    @pl.function
+    def pick(s):
+        s += PROMPT + pl.select("v", choices=choices)
+
+    state = pick.run(backend=engine_backend)
+    computed = core.stats().num_computed_tokens - before
+    # the prompt's uncached tokens (its last among them) once, then each choice but its last token
+    assert computed == uncached + sum(n - 1 for n in lengths)
+    ref = reference(PROMPT, choices)
+    got = state.get_meta_info("v")["input_token_logprobs"]
+    for tokens, want in zip(got, ref["cond"], strict=True):
+        assert [t[0] for t in tokens] == pytest.approx(want, abs=1e-4)
+    assert state["v"] == choices[max(range(4), key=lambda i: (_mean(ref["cond"][i]), -i))]
+
+
+# After "...: th", the tokenizer merges " the" into one token: "e ..." re-tokenizes the prompt's
+# end, and "e" / "en" leave prompt + choice no longer than the prompt.
+@pytest.mark.parametrize("choices", [["e whole story", "ink so"], ["e", "en"]])
+def test_select_over_http_where_choices_merge_with_the_prompt(http_backend, engine_backend, choices) -> None:
+    """Choices that re-tokenize the prompt's end (or leave a prompt + choice no longer than the
+    prompt) are scored from their true start, over HTTP as in process (which then takes its
+    general path)."""
+    prompt = "Sentiment: th"
+    ids = engine_backend.tokenize(prompt)
+    assert engine_backend.tokenize(prompt + "e")[: len(ids)] != ids  # the merge this test is about
+
+    @pl.function
+    def pick(s):
+        s += prompt + pl.select("v", choices=choices)
+
+    remote, local = pick.run(backend=http_backend), pick.run(backend=engine_backend)
+    assert remote["v"] == local["v"]
+    a, b = (st.get_meta_info("v")["input_token_logprobs"] for st in (remote, local))
+    assert [[t[1] for t in x] for x in a] == [[t[1] for t in x] for x in b]
+    assert [[t[0] for t in x] for x in a] == [pytest.approx([t[0] for t in x], abs=1e-5) for x in b]

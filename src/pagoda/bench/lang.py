@@ -418,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
 
         def score(text: str, ids: list[int], base: int) -> float:
             extra = {"logprob_start_len": base} if from_start else {}
-            out = server.complete(prompt=text, max_tokens=1, temperature=0, prompt_logprobs=0, **extra)
+            out = server.complete(prompt=text, max_tokens=0, prompt_logprobs=0, **extra)
             entries = out["choices"][0]["prompt_logprobs"]
             lps = [entries[i][str(ids[i])]["logprob"] for i in range(base, len(ids))]
             return sum(lps) / len(lps)

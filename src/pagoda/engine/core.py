@@ -169,6 +169,8 @@ class EngineCore:
         requests = self.scheduler.requests
         for rid, (pos, entries) in result.prompt_logprobs.items():
             _store_prompt_logprobs(requests[rid], pos, entries)
+        for rid, entry in result.next_token_logprobs.items():
+            requests[rid].next_token_logprobs = entry
         sampled = result.sampled
         failed: dict[str, str] = {}  # request id -> why it fails
         num_running = len(self.scheduler.running)
@@ -192,7 +194,9 @@ class EngineCore:
         self.drafter.end_step(r.request_id for r in self.scheduler.running)
         outputs = []
         for req in changed:
-            new = req.token_ids[verified[req.request_id] : req.num_tokens - req.num_draft_tokens]
+            # A prompt-only request that finished sampled nothing: no new tokens.
+            start = verified.get(req.request_id, req.num_tokens)
+            new = req.token_ids[start : req.num_tokens - req.num_draft_tokens]
             lp = result.logprobs.get(req.request_id)
             outputs.append(
                 EngineCoreOutput(
@@ -203,6 +207,7 @@ class EngineCore:
                     req.stop_reason,
                     max(req.num_cached_tokens, 0),
                     prompt_logprobs=_take_prompt_logprobs(req, new),
+                    next_token_logprobs=req.next_token_logprobs if req.is_finished else None,
                     prediction_tokens=self.drafter.prediction_tokens(req.request_id),
                 )
             )
@@ -282,9 +287,11 @@ def _store_prompt_logprobs(req: Request, pos: int, entries: list[dict[int, Logpr
 
 
 def _take_prompt_logprobs(req: Request, new: list[int]) -> PromptLogprobs | None:
-    """The request's prompt logprobs, handed over once: with its first tokens (every position is
-    in by then); None on every other output."""
-    if not new or req.prompt_logprobs is None or req.prompt_logprobs_next is not None:
+    """The request's prompt logprobs, handed over once: with its first tokens, or its final output
+    for a prompt-only request (every position is in by then); None on every other output."""
+    if req.prompt_logprobs is None or req.prompt_logprobs_next is not None:
+        return None
+    if not new and not req.is_finished:
         return None
     entries, req.prompt_logprobs = req.prompt_logprobs, None
     return entries

@@ -89,6 +89,9 @@ class LLMEngine:
                 f"logprob_start_len ({params.logprob_start_len}) must be less than the prompt's "
                 f"length ({len(prompt_ids)} tokens)"
             )
+        bad = next((t for t in params.next_token_ids or () if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"next_token_ids entry {bad} is not in [0, {self.vocab_size})")
         # The same policy as the server's: over the context is an error, None means up to it.
         check_context(len(prompt_ids), params.max_tokens, params.min_tokens, self.max_model_len)
         max_tokens = self.max_model_len - len(prompt_ids) if params.max_tokens is None else params.max_tokens

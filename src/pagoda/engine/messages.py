@@ -60,6 +60,8 @@ class EngineCoreOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, sent once, on the output with the
     # request's first tokens (the core computes them chunk by chunk before that).
     prompt_logprobs: PromptLogprobs | None = None
+    # SamplingParams.next_token_ids: their logprobs after the prompt, on the final output.
+    next_token_logprobs: dict[int, Logprob] | None = None
     # With a prediction: (accepted, rejected) prediction tokens so far (totals, not deltas).
     prediction_tokens: tuple[int, int] | None = None
 

@@ -51,6 +51,7 @@ class RequestGroup:
     last_token_time: float | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # once the first sample's prompt logprobs are in
+    next_token_logprobs: dict[int, Logprob] | None = None  # SamplingParams.next_token_ids
     # this step, for metrics
     step_new_tokens: int = 0
     step_finish_reasons: list[str] = field(default_factory=list)
@@ -100,6 +101,8 @@ class OutputProcessor:
                 comp.prediction_tokens = out.prediction_tokens
             if out.prompt_logprobs is not None:  # the first sample's, once, with its first tokens
                 group.prompt_logprobs = self._decoded(out.prompt_logprobs)
+            if out.next_token_logprobs is not None:
+                group.next_token_logprobs = self._decoded([out.next_token_logprobs])[0]
             new_ids = out.new_token_ids
             text_ids = new_ids
             if out.finish_reason == "stop" and isinstance(out.stop_reason, int):
@@ -120,6 +123,8 @@ class OutputProcessor:
                             new_ids = new_ids[: j + 1]
                         break
                 comp.new_text += delta
+            if group.first_token_time is None and not new_ids and out.finished:
+                group.num_cached_tokens = out.num_cached_tokens  # a prompt-only request's one output
             if new_ids:
                 if group.first_token_time is None:
                     group.first_token_time = now
@@ -235,6 +240,7 @@ class OutputProcessor:
             group.num_cached_tokens,
             metrics,
             prompt_logprobs,
+            group.next_token_logprobs if finished else None,
         )
 
     def _decoded(self, entries: PromptLogprobs) -> PromptLogprobs:

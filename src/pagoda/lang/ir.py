@@ -151,6 +151,8 @@ class GenParams:
         """The pagoda SamplingParams of a resolved gen; ValueError names a bad value."""
         if self.top_logprobs_num is not None and not self.return_logprob:
             raise ValueError("top_logprobs_num needs return_logprob=True")
+        if self.max_tokens == 0:  # SamplingParams takes 0 (a prompt alone); a gen generates
+            raise ValueError("max_tokens must be an integer >= 1 for a gen, got 0")
         logprobs = (self.top_logprobs_num or 0) if self.return_logprob else None
         structured = None
         if self.regex is not None:

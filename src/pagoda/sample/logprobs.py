@@ -83,3 +83,16 @@ def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> list[dict[i
         values += (target - torch.logsumexp(x, dim=-1, keepdim=True))[:, 0].tolist()
         ranks += ((x > target).sum(dim=-1) + 1).tolist()
     return [{t: Logprob(v, rank=r)} for t, v, r in zip(targets.tolist(), values, ranks, strict=True)]
+
+
+def next_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> dict[int, Logprob]:
+    """logits: [V], one row; the logprob and rank of each of `token_ids` (distinct or not) there,
+    by the same arithmetic as a prompt token's (the logit less the row's log-sum-exp)."""
+    x = logits.float()
+    values = x[token_ids]
+    lse = torch.logsumexp(x, dim=-1)
+    ranks = (x[None, :] > values[:, None]).sum(dim=-1) + 1
+    return {
+        t: Logprob(v, rank=r)
+        for t, v, r in zip(token_ids.tolist(), (values - lse).tolist(), ranks.tolist(), strict=True)
+    }

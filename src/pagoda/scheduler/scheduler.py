@@ -209,7 +209,13 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             result = sampled.get(req.request_id)
             if result is None:
-                self.kv.cache(req)
+                if req.prompt_only and req.num_computed_tokens == req.num_tokens:
+                    req.finish_reason = "length"  # the prompt is in the cache; nothing to sample
+                    self.running.remove(req)
+                    self._finish(req)
+                    changed.append(req)
+                else:
+                    self.kv.cache(req)
                 continue
             k = req.num_draft_tokens
             if k:

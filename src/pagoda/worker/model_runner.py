@@ -12,7 +12,7 @@ from pagoda.config import CacheConfig, ModelConfig
 from pagoda.outputs import Logprob
 from pagoda.request import Request
 from pagoda.sample import DraftSpan, Sampler, SamplingMetadata, SamplingRow
-from pagoda.sample.logprobs import prompt_logprobs
+from pagoda.sample.logprobs import next_token_logprobs, prompt_logprobs
 from pagoda.step import GrammarMasks, SampledTokens, ScheduledRequest, SchedulerOutput
 from pagoda.worker.batch import ForwardBatch
 from pagoda.worker.executor import Executor
@@ -33,6 +33,9 @@ class ModelOutput:
     # request id -> (first prompt position, its logprob entries in order) for the requests owed
     # prompt logprobs whose positions this step computed.
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
+    # request id -> {token id: Logprob} of SamplingParams.next_token_ids, for the prompt-only
+    # requests whose last prompt token this step computed.
+    next_token_logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -98,17 +101,30 @@ class ModelRunner:
             if masks is not None:
                 first = masks.rows.get(req.request_id)
                 mask_rows.extend([masks.free_row] * (k + 1) if first is None else range(first, first + k + 1))
+        # Prompt-only requests scoring tokens after the prompt: their last row, once each.
+        nexts = [
+            s.request
+            for s in batch
+            if s.request.params.next_token_ids is not None and s.request.prompt_only and s.completes
+        ]
+        num_sampling = len(hidden_rows)
+        hidden_rows.extend(ends[r.request_id] - 1 for r in nexts)
+        num_head = len(hidden_rows)
         # Prompt-logprob rows share the sampling rows' LM-head call (the first slice of them).
         prompt_rows = [row + i for _, _, row, count in scored for i in range(count)]
-        num_sampling = len(hidden_rows)
         hidden_rows.extend(prompt_rows[:_PROMPT_LOGPROB_ROWS])
         logits = self.executor.execute(self._prepare(batch, hidden_rows, out.block_copies))
         output = ModelOutput()
         if logits is None:
             return output
         if scored:
-            output.prompt_logprobs = self._prompt_logprobs(scored, logits[num_sampling:])
-            logits = logits[:num_sampling]
+            output.prompt_logprobs = self._prompt_logprobs(scored, logits[num_head:])
+        if nexts:
+            rows = logits[num_sampling:num_head]
+            for i, req in enumerate(nexts):
+                ids = torch.tensor(req.params.next_token_ids, device=rows.device)
+                output.next_token_logprobs[req.request_id] = next_token_logprobs(rows[i], ids)
+        logits = logits[:num_sampling]
         if not sampling:
             return output
         bitmask = None

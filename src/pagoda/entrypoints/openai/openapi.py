@@ -135,7 +135,11 @@ def _constrain_requests(
                 ]
             }
         ),
-        "max_tokens": _set(minimum=0, maximum=max_new, description="0 only with echo: the prompt alone"),
+        "max_tokens": _set(
+            minimum=0,
+            maximum=max_new,
+            description="0: the prompt alone (prompt-only: computed and scored, nothing generated)",
+        ),
         "logprobs": _set(minimum=0, maximum=limits.max_logprobs),
         "suffix": _replace({"type": "null", "description": "not supported: must be null"}),
         "best_of": _set(minimum=1, maximum=limits.max_n, description="must equal n"),

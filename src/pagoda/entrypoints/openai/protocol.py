@@ -237,6 +237,8 @@ PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictIn
 
 class CompletionRequest(_SamplingRequest):
     prompt: PromptInput
+    # 0: a prompt-only request (OpenAI's legacy scoring with echo and logprobs, vLLM's
+    # prompt_logprobs, or a prompt put in the prefix cache): the prompt alone, nothing generated.
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
@@ -255,18 +257,6 @@ class CompletionRequest(_SamplingRequest):
             raise ParamError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported", "best_of")
-        if self.max_tokens == 0 and not self.echo:
-            raise ParamError(
-                "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens"
-            )
-
-    @property
-    def echo_only(self) -> bool:
-        """echo with max_tokens 0: the prompt alone (and its logprobs), nothing generated (vLLM)."""
-        return self.echo and self.max_tokens == 0
-
-    def engine_max_tokens(self) -> int | None:
-        return 1 if self.echo_only else self.max_tokens
 
     def engine_prompt_logprobs(self) -> int | None:
         """prompt_logprobs, or with echo the logprobs asked (the echoed prompt's, as vLLM)."""
@@ -502,6 +492,13 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingRequest):
             raise ParamError("max_tokens and max_completion_tokens disagree; send one", "max_tokens")
         if not self.messages:
             raise ParamError("messages must not be empty", "messages")
+        for name in ("max_completion_tokens", "max_tokens"):
+            if getattr(self, name) == 0:
+                raise ParamError(
+                    f"{name} must be at least 1 for chat completions (a prompt alone: "
+                    "/v1/completions with max_tokens 0)",
+                    name,
+                )
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

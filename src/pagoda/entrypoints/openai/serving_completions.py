@@ -36,7 +36,7 @@ from pagoda.entrypoints.openai.serving_common import (
     unless_disconnected,
 )
 from pagoda.limits import LimitError
-from pagoda.outputs import CompletionOutput, Logprob
+from pagoda.outputs import Logprob
 
 
 @dataclass
@@ -57,7 +57,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         check_body(state.limits, body, len(prompts))
         params = body.sampling_params(
             state.engine.vocab_size,
-            body.engine_max_tokens(),
+            body.max_tokens,
             body.logprobs,
             body.engine_prompt_logprobs(),
         )
@@ -91,8 +91,6 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         p = index_of[out.request_id]
         num_cached += out.num_cached_tokens
         for c in out.outputs:
-            if body.echo_only:
-                c = CompletionOutput(c.index, "", [], [], "length", None)
             num_completion += len(c.token_ids)
             counts.add((p, c.index), c)
             logprobs = None
@@ -150,8 +148,6 @@ async def _stream(
             if out.prompt_logprobs is not None:
                 prompt_lps[p] = out.prompt_logprobs
             for c in out.outputs:
-                if body.echo_only:  # the one token the engine made is not part of the answer
-                    c = CompletionOutput(c.index, "", [], [], c.finish_reason and "length", None)
                 index = p * n + c.index
                 counts.add(index, c)
                 state_c = choices[index]

@@ -7,8 +7,8 @@ same text (tokenized by the engine's tokenizer, as `/v1/completions` does), and 
 to call from many threads at once: fork branches and `run_batch` programs run concurrently.
 
 Prefix reuse is the engine's: its radix cache keeps the KV of every prompt it computed. A backend
-"commits" a prefix by running it as a prompt with one generated token (the engine has no
-zero-token request), so that requests sent after it find the prefix cached instead of all
+"commits" a prefix by running it as a prompt-only request (`max_tokens=0`: the prompt computed,
+nothing sampled), so that requests sent after it find the prefix cached instead of all
 computing it at once.
 """
 
@@ -26,8 +26,8 @@ from pagoda.lang.chat_template import ChatTemplate
 from pagoda.lang.choices import TokenLogprob
 from pagoda.lang.errors import BackendCapabilityError
 
-# The request that commits a prefix to the engine's cache: the prompt and one greedy token.
-COMMIT_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+# The request that commits a prefix to the engine's cache: the prompt alone, nothing sampled.
+COMMIT_PARAMS = SamplingParams(max_tokens=0)
 
 
 @dataclass(frozen=True)

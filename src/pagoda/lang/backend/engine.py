@@ -17,7 +17,7 @@ from typing import Any
 
 from pagoda import LLM, CompletionOutput, RequestOutput, SamplingParams
 from pagoda.engine.async_engine import AsyncLLM, EngineDeadError
-from pagoda.lang.backend.base import Backend, GenOutput
+from pagoda.lang.backend.base import Backend, GenOutput, choice_spans
 from pagoda.lang.errors import BackendRequestError
 
 _PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -113,14 +113,60 @@ class Engine(Backend):
         for start in starts:
             if "logprob_start_len" in _PARAM_FIELDS:  # SGLang's name: logprobs only from there on
                 extra["logprob_start_len"] = start
-            params.append(SamplingParams(max_tokens=1, temperature=0.0, **extra))
+            params.append(SamplingParams(max_tokens=0, **extra))  # prompt-only: nothing sampled
         outs = self._wait(self._collect(prompts, params))
         result = []
         for out, prompt, start in zip(outs, prompts, starts, strict=True):
             entries = out.prompt_logprobs  # type: ignore[attr-defined]
             result.append([entries[i][prompt[i]].logprob for i in range(start, len(prompt))])
-            self._count(len(prompt), out.num_cached_tokens, sum(len(c.token_ids) for c in out.outputs))
+            self._count(len(prompt), out.num_cached_tokens, 0)
         return result
+
+    def score_choices(
+        self, prompt: str, choices: list[str]
+    ) -> tuple[list[list[int]], list[int], list[list[float]]]:
+        """select's scoring with no row computed twice or for nothing, when every choice's tokens
+        follow the prompt's own (else as the base class): one prompt-only request computes the
+        prompt and scores every choice's first token from its last row
+        (SamplingParams.next_token_ids); then, for each choice of 2+ tokens, one prompt-only
+        request of the prompt and the choice but its last token, which finds the prompt cached to
+        its last token, scores the choice's middle tokens as prompt logprobs and its last token
+        from its last row (that token itself is never computed: its KV and logits are not needed)."""
+        self.check_prompt_logprobs()
+        prompt_ids = self.tokenize(prompt)
+        full = [self.tokenize(prompt + choice) for choice in choices]
+        starts = choice_spans(prompt_ids, full)
+        s = len(prompt_ids)
+        if any(start != s or ids[:s] != prompt_ids for ids, start in zip(full, starts, strict=True)):
+            return full, starts, self.prompt_logprobs(full, starts)
+        firsts = sorted({ids[s] for ids in full})
+        (head,) = self._wait(
+            self._collect([prompt_ids], [SamplingParams(max_tokens=0, next_token_ids=firsts)])
+        )
+        self._count(s, head.num_cached_tokens, 0)
+        longer = [i for i, ids in enumerate(full) if len(ids) > s + 1]
+        params = [
+            SamplingParams(
+                max_tokens=0,
+                next_token_ids=[full[i][-1]],
+                # the choice's middle tokens, if any, as prompt logprobs
+                **({"prompt_logprobs": 0, "logprob_start_len": s + 1} if len(full[i]) > s + 2 else {}),
+            )
+            for i in longer
+        ]
+        tails = dict(
+            zip(longer, self._wait(self._collect([full[i][:-1] for i in longer], params)), strict=True)
+        )
+        result = []
+        for i, ids in enumerate(full):
+            scores = [head.next_token_logprobs[ids[s]].logprob]
+            tail = tails.get(i)
+            if tail is not None:
+                scores += [tail.prompt_logprobs[j][ids[j]].logprob for j in range(s + 1, len(ids) - 1)]
+                scores.append(tail.next_token_logprobs[ids[-1]].logprob)
+                self._count(len(ids) - 1, tail.num_cached_tokens, 0)
+            result.append(scores)
+        return full, starts, result
 
     def flush_cache(self) -> None:
         self._wait(self._engine.call(lambda engine: engine.reset_prefix_cache()))

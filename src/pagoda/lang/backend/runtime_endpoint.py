@@ -143,8 +143,7 @@ class RuntimeEndpoint(Backend):
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompts,
-            "max_tokens": 1,
-            "temperature": 0.0,
+            "max_tokens": 0,  # prompt-only: nothing sampled
             "prompt_logprobs": 0,
         }
         if self._feature("logprob_start_len"):
@@ -167,27 +166,30 @@ class RuntimeEndpoint(Backend):
     def score_choices(
         self, prompt: str, choices: list[str]
     ) -> tuple[list[list[int]], list[int], list[list[float]]]:
-        """One /tokenize of the prompt, then the choices as texts in one scoring request that
-        returns their token ids (vLLM's return_token_ids) and scores from the prompt's last
-        token on (so a choice merging with that token is covered, and every prompt + choice is
-        longer than the start): two round trips, where tokenizing every prompt + choice first
-        takes one per choice more. A choice that re-tokenizes more of the prompt's end is scored
-        again from its true start (exact, one more request)."""
+        """One /tokenize of the prompt, then the choices as texts in one prompt-only scoring
+        request that returns their token ids (vLLM's return_token_ids) and scores from the
+        prompt's end on (so each choice's request finds the prompt cached but its last token):
+        two round trips, where tokenizing every prompt + choice first takes one per choice more.
+        A choice that re-tokenizes the prompt's end is scored again from its true start (exact,
+        one more request), as is a select whose prompt + choice is no longer than the prompt
+        (which the server refuses to score from there)."""
         self.check_prompt_logprobs()
         if not (self._feature("logprob_start_len") and self._feature("return_token_ids", True)):
             return super().score_choices(prompt, choices)
         prompt_ids = self.tokenize(prompt)
-        first = max(1, len(prompt_ids) - 1)
+        first = len(prompt_ids)
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": [prompt + choice for choice in choices],
-            "max_tokens": 1,
-            "temperature": 0.0,
+            "max_tokens": 0,  # prompt-only: nothing sampled
             "prompt_logprobs": 0,
             "logprob_start_len": first,
             "return_token_ids": True,
         }
-        data = self._request("POST", "/v1/completions", body)
+        response = self._send("POST", "/v1/completions", body)
+        if response.status_code == 400 and _error_param(response) == "logprob_start_len":
+            return super().score_choices(prompt, choices)
+        data = self._check(response)
         out = sorted(data["choices"], key=lambda c: c["index"])
         full = [c["prompt_token_ids"] for c in out]
         starts = choice_spans(prompt_ids, full)
@@ -281,11 +283,7 @@ class RuntimeEndpoint(Backend):
         if response.status_code == 200:
             supported = True
         else:
-            try:
-                param = response.json()["error"].get("param")
-            except (ValueError, KeyError, AttributeError):
-                param = None
-            if param != field:
+            if _error_param(response) != field:
                 self._check(response)
             supported = False
         with self._features_lock:
@@ -333,6 +331,14 @@ class RuntimeEndpoint(Backend):
         return self._request("POST", "/detokenize", {"model": self.model, "tokens": with_special[:n]})[
             "prompt"
         ]
+
+
+def _error_param(response: httpx.Response) -> str | None:
+    """The field an error response names (`error.param`), if any."""
+    try:
+        return response.json()["error"].get("param")
+    except (ValueError, KeyError, AttributeError, TypeError):
+        return None
 
 
 def _cached(usage: dict[str, Any]) -> int:
