@@ -21,6 +21,8 @@ import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from pagoda.json_input import parse_json_object
+
 _KEY = "pagoda.cli"
 
 
@@ -204,12 +206,9 @@ def _list_item_type(hint: Any) -> Any:
 
 def _json_object(text: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
+        return parse_json_object(text, "the value")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class _BooleanFlag(argparse.BooleanOptionalAction):

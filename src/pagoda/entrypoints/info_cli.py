@@ -171,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _model_format(model: str) -> str:
     """How a model's weights are stored, from its files alone (nothing is loaded)."""
+    from pagoda.json_input import read_json_object
     from pagoda.quant.gguf_file import GGUFFile, is_gguf_path
 
     if is_gguf_path(model):
@@ -178,5 +179,5 @@ def _model_format(model: str) -> str:
     config = Path(model) / "config.json"
     if not config.is_file():
         raise ValueError(f"{model!r} is neither a .gguf file nor a model folder with config.json")
-    hf = json.loads(config.read_text(encoding="utf-8"))
+    hf = read_json_object(config)
     return f"safetensors {hf.get('torch_dtype') or hf.get('dtype') or 'float32'}"

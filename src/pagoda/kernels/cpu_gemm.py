@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from pagoda.kernels.build import available, ops, status
 from pagoda.kernels.build import op as kernel_op
+from pagoda.kernels.memory import huge_page_copy
 
 PANEL = 16  # output columns per panel
 _PLAIN, _SWIGLU = 0, 1
@@ -94,7 +95,7 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = 
         raise ValueError(f"a gate/up weight needs an even number of rows, got {n}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-    data = ops().pack_weight(weight.detach(), swiglu)
+    data = huge_page_copy(ops().pack_weight(weight.detach(), swiglu))
     b = None if bias is None else bias.detach().float().contiguous()
     return PackedWeight(data, n // 2 if swiglu else n, k, swiglu, b)
 

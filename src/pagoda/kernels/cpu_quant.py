@@ -3,7 +3,7 @@ kernel variants.
 
 `pack(qtype, rows, K)` repacks GGUF rows once into the kernels' tiled layout
 (`csrc/quant_layout.h`: 16 output rows interleaved per 32-value block, the scales apart; the
-file's bytes, Q4_K / Q5_K's 6-bit scales widened to bytes); `linear(x, [packed, ...])`
+file's bytes, Q4_K / Q5_K's 6-bit scales widened to bytes; on huge pages, `memory.py`); `linear(x, [packed, ...])`
 quantizes x to 8 bits per block of 32 (as llama.cpp does) and sums exact integer block dot
 products, 16 output rows per instruction (`csrc/quant_gemm.cpp`: vpdpbusd with AVX512-VNNI /
 AVX-VNNI, vpmaddubsw otherwise), then adds the bias or applies SwiGLU in the same call. The
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.kernels.build import available, op, ops
+from pagoda.kernels.memory import huge_page_copy
 
 # GGML type ids the kernels take, and values per scale group (a row must hold whole groups).
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
@@ -65,7 +66,7 @@ def pack(qtype: int, raw: torch.Tensor, cols: int, swiglu: bool = False) -> Pack
     if qtype not in GROUP_VALUES:
         raise ValueError(f"no integer kernel for GGML type {qtype}")
     values, scales = ops().quant_pack(raw.contiguous(), qtype, cols, swiglu)
-    return PackedQuant(qtype, values, scales, raw.shape[0], cols, swiglu)
+    return PackedQuant(qtype, huge_page_copy(values), huge_page_copy(scales), raw.shape[0], cols, swiglu)
 
 
 def linear(

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from pagoda.json_input import read_json_object
 from pagoda.layers.rotary import RopeConfig
 from pagoda.models.config import ModelArchConfig
 from pagoda.models.registry import ModelFamily, get_model_family
@@ -21,13 +21,7 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ValueError(f"no config.json in model directory {str(path)!r}")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read {str(config_path)!r}: {err}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{str(config_path)!r} does not hold a JSON object")
-    return config
+    return read_json_object(config_path)
 
 
 def architecture_of(hf: dict[str, Any]) -> str:

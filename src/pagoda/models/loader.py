@@ -6,7 +6,6 @@ safetensors, GGUF tensors as stored for a GGUF file, or `quantization` at load t
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from pagoda.attention.backend import get_attention_backend
 from pagoda.distributed import SINGLE, ParallelGroup
+from pagoda.json_input import read_json_object
 from pagoda.layers.sharding import LazyTensor
 from pagoda.models.base import CausalLM
 from pagoda.models.gguf import iter_gguf_checkpoint, parse_gguf_config
@@ -72,10 +72,9 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     root = Path(model_dir)
     index_path = root / _INDEX_FILE
     if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ValueError(f"cannot read shard index {str(index_path)!r}: {err!r}") from None
+        weight_map = read_json_object(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"shard index {str(index_path)!r} has no 'weight_map' of tensor names to files")
         files = [root / name for name in sorted(set(weight_map.values()))]
         missing = [str(path.name) for path in files if not path.is_file()]
         if missing:

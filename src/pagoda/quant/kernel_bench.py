@@ -17,12 +17,19 @@ from pagoda.kernels import cpu_gemm
 from pagoda.kernels.build import available, ops, status
 from pagoda.kernels.cpu_gemm import QWEN25_05B_LAYERS, QWEN25_05B_SHAPES, median_time
 from pagoda.kernels.cpu_quant import SUPPORTED, PackedQuant, dot_kind, linear, pack
+from pagoda.kernels.memory import huge_page_copy
 from pagoda.quant.formats import GGMLType
 from pagoda.quant.tensor import GGMLTensor
 
 # (name, N, K) of Qwen2.5-0.5B's linear layers (gate_up counts gate and up), without the LM head.
 SHAPES = tuple((name, n, k) for name, n, k, _ in QWEN25_05B_SHAPES if not name.startswith("lm_head"))
 LAYERS = QWEN25_05B_LAYERS
+
+
+def _distinct(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a packed tensor in fresh memory, on huge pages as packing puts it."""
+    copy = huge_page_copy(t)
+    return copy if copy is not t else t.clone()
 
 
 def read_bandwidth(clock: Callable[[], float]) -> float:
@@ -39,14 +46,15 @@ def read_bandwidth(clock: Callable[[], float]) -> float:
     return buf.numel() * 4 / best / 1e9
 
 
-def bench(types: list[str], ms: list[int], rounds: int) -> None:
+def bench(types: list[str], ms: list[int], rounds: int, per_shape: bool = False) -> None:
     """The linear layers of Qwen2.5-0.5B's shape on the integer kernel against the bf16 kernel.
     Up to 64 rows, 24 layers of distinct weights (a pass streams them from memory, as decode
     does); more rows are bound by arithmetic and time 2 layers. Times are per 24 layers.
 
     With one thread the times are process CPU time (others' load on the machine then costs
     little), else wall time. Up to 8 rows, the integer kernel's GB/s is also given as a share of
-    the read bandwidth probe's (same threads and clock): its roofline."""
+    the read bandwidth probe's (same threads and clock): its roofline. With `per_shape`, each
+    layer shape is also timed alone (its 24 copies streamed), int and bf16 alternating."""
     if not available():
         raise SystemExit(f"kernels unavailable: {status().reason}")
     threads = torch.get_num_threads()
@@ -72,29 +80,33 @@ def bench(types: list[str], ms: list[int], rounds: int) -> None:
             # Copies per layer (same values, distinct memory) so that a pass reads every layer's bytes.
             layers_q = [
                 {
-                    n: PackedQuant(p.qtype, p.values.clone(), p.scales.clone(), p.rows, p.cols, p.swiglu)
+                    n: PackedQuant(
+                        p.qtype, _distinct(p.values), _distinct(p.scales), p.rows, p.cols, p.swiglu
+                    )
                     for n, p in quant.items()
                 }
                 for _ in range(layers)
             ]
             layers_b = [
                 {
-                    n: cpu_gemm.PackedWeight(p.data.clone(), p.out_features, p.in_features, p.swiglu, p.bias)
+                    n: cpu_gemm.PackedWeight(
+                        _distinct(p.data), p.out_features, p.in_features, p.swiglu, p.bias
+                    )
                     for n, p in bf16.items()
                 }
                 for _ in range(layers)
             ]
             xs = {name: torch.randn(m, k, generator=gen).bfloat16() for name, _, k in SHAPES}
 
-            def run_q(layers_q=layers_q, xs=xs):
+            def run_q(layers_q=layers_q, xs=xs, names=tuple(quant)):
                 for layer in layers_q:
-                    for name, p in layer.items():
-                        linear(xs[name], [p])
+                    for name in names:
+                        linear(xs[name], [layer[name]])
 
-            def run_b(layers_b=layers_b, xs=xs):
+            def run_b(layers_b=layers_b, xs=xs, names=tuple(quant)):
                 for layer in layers_b:
-                    for name, p in layer.items():
-                        cpu_gemm.linear(xs[name], p)
+                    for name in names:
+                        cpu_gemm.linear(xs[name], layer[name])
 
             scale = LAYERS / layers
             tq = median_time(run_q, rounds, clock) * scale
@@ -108,6 +120,16 @@ def bench(types: list[str], ms: list[int], rounds: int) -> None:
                 f"bf16 {tb * 1e3:9.2f} ms ({gmac / tb:6.1f} GMAC/s)  int/bf16 speed x{tb / tq:.2f}",
                 flush=True,
             )
+            if per_shape:
+                for name, n, k in SHAPES:
+                    tq = median_time(lambda name=name: run_q(names=(name,)), rounds, clock) * scale
+                    tb = median_time(lambda name=name: run_b(names=(name,)), rounds, clock) * scale
+                    gmac = m * n * k * LAYERS / 1e9
+                    print(
+                        f"  {name:<8} {n}x{k:<5} int {tq * 1e3:8.2f} ms ({gmac / tq:6.1f} GMAC/s)  "
+                        f"bf16 {tb * 1e3:8.2f} ms ({gmac / tb:6.1f} GMAC/s)  x{tb / tq:.2f}",
+                        flush=True,
+                    )
             del layers_q, layers_b
 
 
@@ -121,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--m", default="1,8,32,256,2048", help="comma-separated row counts")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per shape (default 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--per-shape", action="store_true", help="also time each layer shape alone")
     args = parser.parse_args(argv)
     try:
         ms = [int(v) for v in args.m.split(",")]
@@ -139,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--threads must be >= 1")
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO)
-    bench(types, ms, args.rounds)
+    bench(types, ms, args.rounds, args.per_shape)
 
 
 if __name__ == "__main__":

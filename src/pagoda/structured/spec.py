@@ -7,6 +7,7 @@ from typing import Any
 
 import jsonschema
 
+from pagoda.json_input import parse_json_object
 from pagoda.sampling_params import StructuredOutputs
 
 # A compile cache key: (kind, canonical text of the spec).
@@ -15,15 +16,7 @@ SpecKey = tuple[str, str]
 
 def parse_json_schema(schema: dict[str, Any] | str) -> dict[str, Any]:
     """The schema as a dict, checked against its JSON Schema metaschema (latest draft unless $schema says)."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-    if not isinstance(schema, dict):
-        raise ValueError(
-            f"structured_outputs.json must be a JSON object (a schema), got {type(schema).__name__}"
-        )
+    schema = parse_json_object(schema, "structured_outputs.json")
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
@@ -62,13 +55,7 @@ def _check_local_refs(schema: dict[str, Any]) -> None:
 def parse_structural_tag(tag: dict[str, Any] | str) -> dict[str, Any]:
     """The structural tag as a dict ``{"type": "structural_tag", "format": {...}}``; its formats are
     checked when it is compiled."""
-    if isinstance(tag, str):
-        try:
-            tag = json.loads(tag)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from None
-    if not isinstance(tag, dict):
-        raise ValueError(f"structured_outputs.structural_tag must be a JSON object, got {type(tag).__name__}")
+    tag = parse_json_object(tag, "structured_outputs.structural_tag")
     if tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), dict):
         raise ValueError(
             'structured_outputs.structural_tag must be {"type": "structural_tag", "format": {...}}'

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
 import jinja2.meta
 from transformers import PreTrainedTokenizerBase
+
+from pagoda.json_input import parse_json_object
 
 _BASE_ROLES = ("system", "user", "assistant")
 # Arguments that would change what apply_chat_template returns: this wrapper always returns token ids.
@@ -107,14 +108,7 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, Mapping) else None
     if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
         raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}.function.arguments is not valid JSON: {e}") from None
-    if not isinstance(arguments, dict):
-        raise ValueError(f"{where}.function.arguments must be a JSON object")
+    arguments = parse_json_object(function.get("arguments", {}), f"{where}.function.arguments")
     return {**call, "function": {**function, "arguments": arguments}}
 
 

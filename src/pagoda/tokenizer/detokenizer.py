@@ -60,19 +60,7 @@ class IncrementalDetokenizer:
         self._window: list[int] = self._prompt_context(prompt_token_ids)
         self._read = len(self._window)
         self._prefix_text: str | None = None
-        self._parts: list[str] = []
         self._finished = False
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        if len(self._parts) > 1:
-            self._parts = ["".join(self._parts)]
-        return self._parts[0] if self._parts else ""
-
-    @property
-    def finished(self) -> bool:
-        return self._finished
 
     def add(self, new_token_ids: Sequence[int]) -> str:
         """Appends output token ids and returns the newly completed text (possibly empty)."""
@@ -131,8 +119,6 @@ class IncrementalDetokenizer:
         self._window = context + pending
         self._read = len(context)
         self._prefix_text = None
-        if delta:
-            self._parts.append(delta)
         return delta
 
     def _context_text(self) -> str:

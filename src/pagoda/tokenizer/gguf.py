@@ -16,6 +16,7 @@ from pathlib import Path
 import gguf
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pagoda.json_input import read_json_object
 from pagoda.quant.gguf_file import GGUFFile
 
 # Control tokens llama.cpp also treats as end of generation (besides eos / eot / eom ids).
@@ -106,7 +107,7 @@ def add_tokenizer_to_gguf(
     tokenizer_json = folder / "tokenizer.json"
     if not tokenizer_json.is_file():
         raise ValueError(f"no tokenizer.json in {str(folder)!r}: pagoda quantize writes fast tokenizers only")
-    spec = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    spec = read_json_object(tokenizer_json)
     model_type = spec.get("model", {}).get("type")
     if model_type != "BPE":
         raise ValueError(f"tokenizer model {model_type!r} cannot be written to GGUF (BPE only)")
@@ -127,7 +128,7 @@ def _generation_eos_ids(folder: Path) -> list[int]:
     path = folder / "generation_config.json"
     if not path.is_file():
         return []
-    value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    value = read_json_object(path).get("eos_token_id")
     return [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pagoda.json_input import read_json_object
 from pagoda.quant.gguf_file import is_gguf_path
 from pagoda.tokenizer.gguf import gguf_eos_token_ids, load_gguf_tokenizer
 
@@ -62,13 +62,7 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str | os.PathLi
     ids: list[int] = []
     gen_path = Path(model_dir) / "generation_config.json"
     if gen_path.is_file():
-        try:
-            config = json.loads(gen_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read {gen_path.name} in {str(model_dir)!r}: {exc}") from exc
-        if not isinstance(config, dict):
-            raise ValueError(f"{gen_path.name} in {str(model_dir)!r} must hold a JSON object")
-        value = config.get("eos_token_id")
+        value = read_json_object(gen_path).get("eos_token_id")
         values = value if isinstance(value, list) else [] if value is None else [value]
         for v in values:
             if not _is_token_id(v):

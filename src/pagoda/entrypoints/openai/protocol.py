@@ -6,7 +6,6 @@ declared so that the error names them, and are refused by `unsupported()` when s
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -25,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from pagoda.json_input import parse_json_object
 from pagoda.sampling_params import SamplingParams, StructuredOutputs
 
 
@@ -350,14 +350,7 @@ class FunctionCall(_Strict):
     @classmethod
     def _object(cls, arguments: dict[str, Any] | str) -> dict[str, Any]:
         """Templates read arguments as an object: a JSON string is parsed here."""
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"arguments are not valid JSON: {e}") from None
-        if not isinstance(arguments, dict):
-            raise ValueError("arguments must be a JSON object")
-        return arguments
+        return parse_json_object(arguments, "arguments")
 
 
 class ToolCallItem(_Strict):

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagoda.engine.async_engine import RequestStream
-from pagoda.entrypoints.openai.chat_render import render_chat
+from pagoda.entrypoints.openai.chat_render import RenderedChat, render_chat
 from pagoda.entrypoints.openai.chat_reply import ChoiceDelta, ReplyPlan, plan_reply
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.limits import check_body, constraint_field
@@ -42,13 +42,13 @@ from pagoda.entrypoints.openai.serving_common import (
     StreamResponse,
     check_logprob_start,
     checked,
-    collect,
+    collect_unless_disconnected,
     error_event,
+    json_response,
     make_usage,
     param_error,
     sse,
     top_entries,
-    unless_disconnected,
 )
 from pagoda.entrypoints.openai.tool_parsers import merge_calls
 from pagoda.limits import LimitError
@@ -69,8 +69,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         state.limits.check_messages(body.messages, state.engine.max_model_len)  # before the template runs
     except LimitError as exc:
         raise param_error(exc) from None
-    rendered = render_chat(state.engine.tokenizer, state.chat, body.messages, body)
-    prompt_ids = state.tokenize(rendered.prompt_ids, param="messages")
+    rendered, prompt_ids = await state.off_loop(lambda: _render(state, body))
     try:
         plan = plan_reply(body, state.chat, prompt_state(rendered.tail), params.skip_special_tokens)
         if plan.tools_constrain and plan.structured is not None:  # built from the request's tools
@@ -102,10 +101,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         raise
     if body.stream:
         return StreamResponse(_stream(state, body, plan, stream, model, request_id, len(prompt_ids)), stream)
-    try:
-        result = await unless_disconnected(raw, collect(stream))
-    finally:
-        stream.abort()
+    result = await collect_unless_disconnected(raw, stream)
     if isinstance(result, Response):
         return result
     (out,) = result
@@ -140,14 +136,22 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         counts.add(c.index, c)
     num_completion = sum(len(c.token_ids) for c in out.outputs)
     usage = make_usage(len(prompt_ids), num_completion, out.num_cached_tokens, counts.totals())
-    return ChatCompletionResponse(
-        id=request_id,
-        created=now_s(),
-        model=model,
-        choices=choices,
-        usage=usage,
-        prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs),
+    return json_response(
+        ChatCompletionResponse(
+            id=request_id,
+            created=now_s(),
+            model=model,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs),
+        )
     )
+
+
+def _render(state: ServerState, body: ChatCompletionRequest) -> tuple[RenderedChat, list[int]]:
+    """The rendered chat and its validated prompt ids (blocking: the tokenizer thread's)."""
+    rendered = render_chat(state.engine.tokenizer, state.chat, body.messages, body)
+    return rendered, state.tokenize(rendered.prompt_ids, param="messages")
 
 
 def _finish_reason(reason: str | None, has_calls: bool, named: bool) -> str | None:

@@ -27,16 +27,17 @@ from pagoda.entrypoints.openai.serving_common import (
     StreamResponse,
     check_logprob_start,
     checked,
-    collect,
+    collect_unless_disconnected,
     error_event,
+    json_response,
     make_usage,
     param_error,
     sse,
     top_entries,
-    unless_disconnected,
 )
 from pagoda.limits import LimitError
 from pagoda.outputs import Logprob
+from pagoda.sampling_params import SamplingParams
 
 
 @dataclass
@@ -64,11 +65,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         state.limits.check_params(params, constraint_field(body))
     except (ParamError, LimitError) as exc:
         raise param_error(exc) from None
-    prompt_ids = [state.tokenize(p) for p in prompts]
-    for ids in prompt_ids:
-        state.check_length(len(ids), params)
-    check_logprob_start(params, prompt_ids)
-    echoes = [(p if isinstance(p, str) else state.decode(p)) if body.echo else "" for p in prompts]
+    prompt_ids, echoes = await state.off_loop(lambda: _prepare(state, prompts, params, bool(body.echo)))
     base_id = new_id("cmpl")
     request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
     stream = await state.start(
@@ -78,10 +75,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     if body.stream:
         events = _stream(state, body, stream, model, base_id, index_of, echoes, prompt_ids)
         return StreamResponse(events, stream)
-    try:
-        result = await unless_disconnected(raw, collect(stream))
-    finally:
-        stream.abort()
+    result = await collect_unless_disconnected(raw, stream)
     if isinstance(result, Response):
         return result
     choices = []
@@ -116,7 +110,21 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
             )
     choices.sort(key=lambda c: c.index)
     usage = make_usage(sum(map(len, prompt_ids)), num_completion, num_cached, counts.totals())
-    return CompletionResponse(id=base_id, created=now_s(), model=model, choices=choices, usage=usage)
+    return json_response(
+        CompletionResponse(id=base_id, created=now_s(), model=model, choices=choices, usage=usage)
+    )
+
+
+def _prepare(
+    state: ServerState, prompts: list[str | list[int]], params: SamplingParams, echo: bool
+) -> tuple[list[list[int]], list[str]]:
+    """The prompts' validated token ids and the texts to echo (blocking: the tokenizer thread's)."""
+    prompt_ids = [state.tokenize(p) for p in prompts]
+    for ids in prompt_ids:
+        state.check_length(len(ids), params)
+    check_logprob_start(params, prompt_ids)
+    echoes = [(p if isinstance(p, str) else state.decode(p)) if echo else "" for p in prompts]
+    return prompt_ids, echoes
 
 
 async def _stream(

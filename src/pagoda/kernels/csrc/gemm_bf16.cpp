@@ -386,15 +386,17 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const Wt* w, int64_t pan
   const int64_t K2 = (K + 1) / 2;
   const int64_t panel_bytes = std::max<int64_t>(panel_stride<Wt>(K), 1) * static_cast<int64_t>(sizeof(Wt));
   const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(sizeof(X));
+  // Groups of near-equal block counts, each within kGroupBytes of rows (at least one block):
+  // tasks go to threads in contiguous ranges, so equal groups give the threads equal rows.
+  // (Filling each group to the limit left a short last group: 128 rows of K = 896 ran as
+  // 36 + 36 + 36 + 20, and two threads took 72 and 56 rows; now 32 + 32 + 32 + 32.)
+  const auto nblocks = static_cast<int64_t>(blocks.size());
+  const int64_t block_bytes = kMaxMR * row_bytes;  // the largest block's rows
+  const int64_t per_group = M <= kSingleGroupRows ? nblocks : std::max<int64_t>(1, kGroupBytes / block_bytes);
+  const int64_t ngroups = (nblocks + per_group - 1) / per_group;
   std::vector<std::pair<size_t, size_t>> groups;  // [first block, end block)
-  for (size_t b = 0; b < blocks.size();) {
-    size_t e = b + 1;
-    int64_t rows = blocks[b].second;
-    while (e < blocks.size() && (M <= kSingleGroupRows || (rows + blocks[e].second) * row_bytes <= kGroupBytes))
-      rows += blocks[e++].second;
-    groups.emplace_back(b, e);
-    b = e;
-  }
+  for (int64_t g = 0; g < ngroups; ++g)
+    groups.emplace_back(static_cast<size_t>(g * nblocks / ngroups), static_cast<size_t>((g + 1) * nblocks / ngroups));
   // Panels go to tasks in units of one (plain) or a gate/up pair (SwiGLU).
   const int64_t unit = o.epilogue == kSwiGLU ? 2 : 1;
   const int64_t units = panels / unit;

@@ -108,6 +108,10 @@ void micro(const TileArgs& w, const Acts& x, int64_t row0, float* out, int64_t l
         const int64_t skip = b * lay.block_value_bytes + kPrefetchBytes < w.value_stride ? 0 : (NT - 1) * w.value_stride;
         for (int t = 0; t < NT; ++t) {
           const uint8_t* p = vb[t] + skip + kPrefetchBytes;
+          // One base register and the lines at immediate offsets: else the compiler keeps the 16
+          // offsets in vector registers and moves them back per block (Q8_0 at 16-64 rows, AMD EPYC
+          // Zen 4, avx512_vnni: 1.01-1.035x).
+          asm("" : "+r"(p));
           for (int l = 0; l < lay.block_value_bytes; l += 64)
             _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T1);
         }
