@@ -12,14 +12,13 @@ The garbage collector's walks over the start-up heap: `pagoda serve` freezes it 
 from __future__ import annotations
 
 import gc
-import socket
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from inproc_server import serve_in_thread
 from pagoda.tokenizer import apply_chat_template
 
 pytestmark = pytest.mark.timeout(300)
@@ -80,7 +79,6 @@ class GatedTokenizer:
 def served(tiny_llama_dir: str):
     """(base URL, the gated tokenizer, the real one, the AsyncLLM's add order) of a pagoda app served
     by uvicorn on a thread of this process."""
-    import uvicorn
 
     from pagoda.config import EngineArgs
     from pagoda.engine.llm_engine import LLMEngine
@@ -101,21 +99,9 @@ def served(tiny_llama_dir: str):
         return await add_requests(request_ids, prompts, *args, **kwargs)
 
     state.engine.add_requests = recording_add_requests  # type: ignore[method-assign]
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", gated, real, added
-    gated.gate.set()
-    server.should_exit = True
-    thread.join(30)
-    sock.close()
+    with serve_in_thread(create_app(state)) as url:
+        yield url, gated, real, added
+        gated.gate.set()
     state.engine.shutdown()
 
 

@@ -8,12 +8,10 @@ before and after."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 
 import pytest
 
+from inproc_server import serve_in_thread
 from pagoda.bench.soak import SoakConfig, run_soak
 
 pytestmark = pytest.mark.timeout(1800)
@@ -22,8 +20,6 @@ pytestmark = pytest.mark.timeout(1800)
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir: str):
     """(base URL, ServerState) of a pagoda app served by uvicorn on a thread of this process."""
-    import uvicorn
-
     from pagoda.config import EngineArgs
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.entrypoints.openai.app import build_state, create_app
@@ -31,20 +27,8 @@ def served(tiny_llama_dir: str):
 
     engine = LLMEngine(EngineArgs(model=tiny_llama_dir, dtype="float32", num_kv_blocks=512))
     state = build_state(engine, ServerArgs())
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", state
-    server.should_exit = True
-    thread.join(30)
-    sock.close()
+    with serve_in_thread(create_app(state)) as url:
+        yield url, state
     state.engine.shutdown()
 
 
