@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
+from inproc_server import serve_in_thread
 from pagoda import http_client
 
 pytestmark = pytest.mark.timeout(120)
@@ -192,17 +192,8 @@ async def _app(scope, receive, send) -> None:
 def quick_close_server() -> Iterator[str]:
     """uvicorn (as pagoda serves: httptools and uvloop where installed) closing idle connections
     after 0.3 s, so that bursts 0.3 s apart reuse connections just as the server closes them."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(_app, log_level="warning", timeout_keep_alive=0.3))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(30)
+    with serve_in_thread(_app, timeout_keep_alive=0.3, access_log=True) as url:
+        yield url
 
 
 def test_hundreds_of_threads_on_one_client_all_get_answers(quick_close_server: str) -> None:
