@@ -158,6 +158,16 @@ def test_next_token_ids_score_the_token_after_the_prompt(tiny_model_dirs):
     assert abs(longer.prompt_logprobs[-1][200].logprob - out.next_token_logprobs[200].logprob) < 1e-5
     plain = llm.generate([prompt], SamplingParams(max_tokens=0))[0]
     assert plain.next_token_logprobs is None
+    # In one step with requests that sample (the sampler's rows and the scored rows apart).
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    alone = llm.generate([prompt[:12]], greedy)[0].outputs[0].token_ids
+    llm.reset_prefix_cache()
+    mixed = llm.generate(
+        [prompt[:12], prompt], [greedy, SamplingParams(max_tokens=0, next_token_ids=targets)]
+    )
+    assert mixed[0].outputs[0].token_ids == alone
+    for t, lp in mixed[1].next_token_logprobs.items():
+        assert abs(lp.logprob - ref[t].item()) < 1e-4
     with pytest.raises(ValueError, match="next_token_ids needs max_tokens 0"):
         SamplingParams(max_tokens=1, next_token_ids=[1])
     with pytest.raises(ValueError, match="next_token_ids must be a list of 1 to 256"):

@@ -12,6 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from server_utils import wait_idle
+
 TIMEOUT = 60.0
 TOL = 1e-4
 
@@ -125,6 +127,16 @@ def test_chat_prompt_logprobs(pagoda_server, served_model, reference):
         ("/v1/completions", {"logprob_start_len": 1}, "logprob_start_len"),
         ("/v1/completions", {"prompt_logprobs": 0, "logprob_start_len": 500}, "logprob_start_len"),
         ("/v1/completions", {"max_tokens": -1}, "max_tokens"),
+        ("/v1/completions", {"logprob_start_char": 2}, "logprob_start_char"),
+        ("/v1/completions", {"prompt_logprobs": 0, "logprob_start_char": -1}, "logprob_start_char"),
+        ("/v1/completions", {"prompt_logprobs": 0, "logprob_start_char": 6}, "logprob_start_char"),
+        ("/v1/completions", {"prompt_logprobs": 0, "logprob_start_char": "2"}, "logprob_start_char"),
+        (
+            "/v1/completions",
+            {"prompt_logprobs": 0, "logprob_start_char": 2, "logprob_start_len": 1},
+            "logprob_start_char",
+        ),
+        ("/v1/chat/completions", {"prompt_logprobs": 0, "logprob_start_char": 2}, "logprob_start_char"),
         ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
         ("/v1/chat/completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
         ("/v1/chat/completions", {"prompt_logprobs": 0, "logprob_start_len": 500}, "logprob_start_len"),
@@ -218,3 +230,100 @@ def test_completions_prompt_only(pagoda_server, served_model, reference):
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     (chunk,) = chunks
     assert chunk["choices"][0]["text"] == prompt and chunk["choices"][0]["finish_reason"] == "length"
+
+
+def _spans(base: str, model: str, head: str, texts: list[str]) -> list[tuple[list[int], int]]:
+    """Each text's token ids and where logprob_start_char=len(head) starts its span: its first
+    token that differs from head's own, at least 1 and at most its last."""
+    head_ids = _tokens(base, model, prompt=head)
+    out = []
+    for text in texts:
+        ids = _tokens(base, model, prompt=text)
+        shared = 0
+        while shared < min(len(ids), len(head_ids)) and ids[shared] == head_ids[shared]:
+            shared += 1
+        out.append((ids, max(1, min(shared, len(ids) - 1))))
+    return out
+
+
+def _scored(base: str, body: dict) -> list[tuple[int, list[int], list[float]]]:
+    data = _post(base, "/v1/completions", body)
+    assert data.status_code == 200, data.text
+    result = []
+    for choice in sorted(data.json()["choices"], key=lambda c: c["index"]):
+        entries = choice["prompt_logprobs"]
+        assert all(len(e) == 1 for e in entries)  # prompt_logprobs 0: the scored token alone
+        ids = [int(next(iter(e))) for e in entries]
+        result.append(
+            (choice["prompt_logprobs_start"], ids, [next(iter(e.values()))["logprob"] for e in entries])
+        )
+    return result
+
+
+# "...: th" + "e" re-tokenizes the head's end (the tokenizer merges " the"); "" and "e" leave the
+# text no longer than the head's tokens (the span is the last token).
+@pytest.mark.parametrize(
+    "head, tails",
+    [
+        ("Review: the soup was cold\nSentiment:", [" positive", " positively", " negative", "x"]),
+        ("Sentiment: th", ["e whole story", "ink so", ""]),
+    ],
+)
+def test_completions_logprob_start_char(pagoda_server, served_model, reference, head, tails):
+    """logprob_start_char scores each prompt from its first token that differs from the head's
+    own and answers with that span only; the one-pass scoring (max_tokens 0, prompt_logprobs 0)
+    and the general path (here: max_tokens 1) give transformers' logprobs on the same spans."""
+    texts = [head + t for t in tails]
+    spans = _spans(pagoda_server, served_model, head, texts)
+    body = {
+        "model": served_model,
+        "prompt": texts,
+        "max_tokens": 0,
+        "prompt_logprobs": 0,
+        "logprob_start_char": len(head),
+    }
+    _post(pagoda_server, "/reset_prefix_cache", {})
+    one_pass = _scored(pagoda_server, body)
+    general = _scored(pagoda_server, {**body, "max_tokens": 1, "temperature": 0})
+    for (ids, start), a, b in zip(spans, one_pass, general, strict=True):
+        ref = reference(tuple(ids))
+        want = [ref[i - 1, ids[i]].item() for i in range(start, len(ids))]
+        for got_start, got_ids, got in (a, b):
+            assert got_start == start and got_ids == ids[start:]
+            assert got == pytest.approx(want, abs=TOL)
+
+
+def test_logprob_start_char_computes_each_row_once(pagoda_server, served_model):
+    """The one-pass scoring computes the head's uncached tokens once and each continuation's tokens
+    but its last (whose KV and logits nobody reads); usage counts the rest as cached."""
+    head = "Question: is the river water, or is it stone?\nAnswer:"
+    tails = [" yes", " yes it is", " no", " it is water"]
+    texts = [head + t for t in tails]
+    spans = _spans(pagoda_server, served_model, head, texts)
+    n = len(_tokens(pagoda_server, served_model, prompt=head))
+    assert all(start == n for _, start in spans)
+    _post(pagoda_server, "/reset_prefix_cache", {})
+    before = wait_idle(pagoda_server)
+    body = {"model": served_model, "prompt": texts, "max_tokens": 0, "prompt_logprobs": 0}
+    data = _post(pagoda_server, "/v1/completions", {**body, "logprob_start_char": len(head)}).json()
+    after = wait_idle(pagoda_server)
+    computed = (after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]) - (
+        after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
+    )
+    assert computed == n + sum(len(ids) - n - 1 for ids, _ in spans)
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == sum(len(ids) for ids, _ in spans)
+    assert usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] == computed
+    assert usage["completion_tokens"] == 0
+    assert [c["finish_reason"] for c in data["choices"]] == ["length"] * 4
+
+
+def test_logprob_start_char_errors(pagoda_server, served_model):
+    base = {"model": served_model, "max_tokens": 0, "prompt_logprobs": 0, "logprob_start_char": 1}
+    ids = _tokens(pagoda_server, served_model, prompt="Hello there")
+    for prompt in (ids, [ids, ids], ["Hello there", "Hi"], ["Hello", ""]):
+        response = _post(
+            pagoda_server, "/v1/completions", {**base, "prompt": prompt, "logprob_start_char": 3}
+        )
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] in ("logprob_start_char", "prompt"), response.text

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import pagoda.lang as pl
 from pagoda.lang.backend.base import Backend
+from server_utils import wait_idle
 
 PROMPT = "Review: the soup was cold and the waiter never came back to our table\nSentiment:"
 # "positive" and "positively" share their first tokens; " pos" and " neg" start with a space token.
@@ -116,9 +117,24 @@ def _check_against_reference(backend, reference) -> None:
     assert state["v"] == expected
 
 
-def test_select_matches_transformers(backend, reference) -> None:
-    assert backend.supports_prompt_logprobs()
-    _check_against_reference(backend, reference)
+@pytest.fixture(scope="module")
+def vllm_fields_backend(lang_server):
+    """pl.RuntimeEndpoint on the same server as if it lacked pagoda's logprob_start_char: select
+    takes the path a server with only vLLM's fields (and logprob_start_len) gets."""
+    backend = pl.RuntimeEndpoint(lang_server.base_url)
+    backend._features["logprob_start_char"] = False
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(params=["engine", "http", "vllm_fields"])
+def any_backend(request: pytest.FixtureRequest):
+    return request.getfixturevalue(f"{request.param}_backend")
+
+
+def test_select_matches_transformers(any_backend, reference) -> None:
+    assert any_backend.supports_prompt_logprobs()
+    _check_against_reference(any_backend, reference)
 
 
 def test_select_plumbing_with_transformers_as_the_scorer(engine_backend, reference, monkeypatch) -> None:
@@ -144,51 +160,72 @@ def test_select_plumbing_with_transformers_as_the_scorer(engine_backend, referen
     assert calls == [4, 4, 4, 4]  # all choices in one call; the unconditional pass in a second
 
 
-def test_select_over_http_tokenizes_the_prompt_only(http_backend, engine_backend) -> None:
-    """Over HTTP, select sends one /tokenize (the prompt) and one scoring request with the choices
-    as texts (their token ids come back with the scores), not one /tokenize per choice; the
-    decision and scores equal the in-process backend's."""
+def _paths_of_one_select(backend, program) -> tuple[list[str], pl.ProgramState]:
+    program.run(backend=backend)  # the first select also asks which fields the server has
+    paths: list[str] = []
+    hooks = backend._client.event_hooks
+    hooks["request"].append(lambda request: paths.append(request.url.path))
+    try:
+        state = program.run(backend=backend)
+    finally:
+        hooks["request"].pop()
+    return paths, state
+
+
+@pytest.mark.parametrize(
+    "which, paths", [("http", ["/v1/completions"]), ("vllm_fields", ["/tokenize", "/v1/completions"])]
+)
+def test_select_over_http_round_trips(request, engine_backend, which, paths) -> None:
+    """Over HTTP, a select is one scoring request (logprob_start_char: the server finds where each
+    choice's tokens start); on a server without it, one /tokenize (the prompt) and one scoring
+    request with the choices as texts (their token ids come back with the scores), never one
+    /tokenize per choice. The decision and scores equal the in-process backend's."""
+    backend = request.getfixturevalue(f"{which}_backend")
 
     @pl.function
     def pick(s):
         s += "Question: is the river water?\nAnswer:" + pl.select("v", choices=CHOICES)
 
-    pick.run(backend=http_backend)  # the first select also asks which fields the server has
-    paths: list[str] = []
-    hooks = http_backend._client.event_hooks
-    hooks["request"].append(lambda request: paths.append(request.url.path))
-    try:
-        state = pick.run(backend=http_backend)
-    finally:
-        hooks["request"].pop()
-    assert paths == ["/tokenize", "/v1/completions"]
+    sent, state = _paths_of_one_select(backend, pick)
+    assert sent == paths
     local = pick.run(backend=engine_backend)
     assert state["v"] == local["v"]
+    a, b = (st.get_meta_info("v")["input_token_logprobs"] for st in (state, local))
+    assert [[t[1] for t in x] for x in a] == [[t[1] for t in x] for x in b]
     assert state.get_meta_info("v")["normalized_prompt_logprobs"] == pytest.approx(
         local.get_meta_info("v")["normalized_prompt_logprobs"], abs=1e-5
     )
 
 
-def test_select_in_process_computes_each_row_once(engine_backend, reference) -> None:
-    """pl.Engine's scoring: after the prompt, the engine computes the prompt's last token once
-    and each choice's tokens but its last (whose KV and logits nobody reads); choices sharing a
-    first token, one-token choices among them, score as transformers does."""
+@pytest.mark.parametrize("which", ["engine", "http"])
+def test_select_computes_each_row_once(request, lang_server, reference, which) -> None:
+    """select's scoring (pl.Engine's, and the server's with logprob_start_char): after the prompt,
+    the engine computes the prompt's last token once and each choice's tokens but its last (whose
+    KV and logits nobody reads); choices sharing a first token, one-token choices among them,
+    score as transformers does."""
+    backend = request.getfixturevalue(f"{which}_backend")
     choices = [" positive", " positively", "p", " negative"]
-    prompt_ids = engine_backend.tokenize(PROMPT)
-    lengths = [len(engine_backend.tokenize(PROMPT + c)) - len(prompt_ids) for c in choices]
+    prompt_ids = backend.tokenize(PROMPT)
+    lengths = [len(backend.tokenize(PROMPT + c)) - len(prompt_ids) for c in choices]
     assert 1 in lengths and max(lengths) >= 3
-    core = engine_backend._engine.engine.core
-    engine_backend.flush_cache()
-    engine_backend.commit(PROMPT[:-4])  # all of the prompt cached but its last few tokens
-    uncached = len(prompt_ids) - len(engine_backend.tokenize(PROMPT[:-4]))
-    before = core.stats().num_computed_tokens
+    backend.flush_cache()
+    backend.commit(PROMPT[:-4])  # all of the prompt cached but its last few tokens
+    uncached = len(prompt_ids) - len(backend.tokenize(PROMPT[:-4]))
+    if which == "engine":
+        core = backend._engine.engine.core
+        before = core.stats().num_computed_tokens
+    else:
+        before = _server_computed(lang_server.base_url)
 
     @pl.function
     def pick(s):
         s += PROMPT + pl.select("v", choices=choices)
 
-    state = pick.run(backend=engine_backend)
-    computed = core.stats().num_computed_tokens - before
+    state = pick.run(backend=backend)
+    if which == "engine":
+        computed = core.stats().num_computed_tokens - before
+    else:
+        computed = _server_computed(lang_server.base_url) - before
     # the prompt's uncached tokens (its last among them) once, then each choice but its last token
     assert computed == uncached + sum(n - 1 for n in lengths)
     ref = reference(PROMPT, choices)
@@ -198,13 +235,22 @@ def test_select_in_process_computes_each_row_once(engine_backend, reference) -> 
     assert state["v"] == choices[max(range(4), key=lambda i: (_mean(ref["cond"][i]), -i))]
 
 
+def _server_computed(base_url: str) -> float:
+    m = wait_idle(base_url)
+    return m["vllm:prefix_cache_queries_total"] - m["vllm:prefix_cache_hits_total"]
+
+
 # After "...: th", the tokenizer merges " the" into one token: "e ..." re-tokenizes the prompt's
 # end, and "e" / "en" leave prompt + choice no longer than the prompt.
+@pytest.mark.parametrize("which", ["http", "vllm_fields"])
 @pytest.mark.parametrize("choices", [["e whole story", "ink so"], ["e", "en"]])
-def test_select_over_http_where_choices_merge_with_the_prompt(http_backend, engine_backend, choices) -> None:
+def test_select_over_http_where_choices_merge_with_the_prompt(
+    request, engine_backend, choices, which
+) -> None:
     """Choices that re-tokenize the prompt's end (or leave a prompt + choice no longer than the
-    prompt) are scored from their true start, over HTTP as in process (which then takes its
-    general path)."""
+    prompt) are scored from their true start, over HTTP (with logprob_start_char or without) as in
+    process (which then takes its general path)."""
+    http_backend = request.getfixturevalue(f"{which}_backend")
     prompt = "Sentiment: th"
     ids = engine_backend.tokenize(prompt)
     assert engine_backend.tokenize(prompt + "e")[: len(ids)] != ids  # the merge this test is about

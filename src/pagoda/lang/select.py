@@ -11,38 +11,47 @@ from __future__ import annotations
 
 import math
 
-from pagoda.lang.backend.base import Backend
+from pagoda.lang.backend.base import Backend, ChoiceScore
 from pagoda.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob
 
 
-def _same_context_same_value(
-    prompts: list[list[int]], starts: list[int], scored: list[list[float]]
-) -> list[list[float]]:
-    """Give a token the same logprob in every choice where it follows the same tokens. They are
+def _same_context_same_value(contexts: list[list[tuple]], scored: list[list[float]]) -> list[list[float]]:
+    """Give a token the same logprob in every choice where it follows the same tokens
+    (`contexts[i][j]`: a key for the tokens up to and including choice i's token j). They are
     equal in exact arithmetic, but requests computed in different rows of a batch can differ in
     the last bits, and greedy_token_selection compares choices that share a first token exactly."""
-    seen: dict[tuple[int, ...], float] = {}
+    seen: dict[tuple, float] = {}
     return [
-        [seen.setdefault(tuple(ids[: start + j + 1]), lp) for j, lp in enumerate(lps)]
-        for ids, start, lps in zip(prompts, starts, scored, strict=True)
+        [seen.setdefault(key, lp) for key, lp in zip(keys, lps, strict=True)]
+        for keys, lps in zip(contexts, scored, strict=True)
     ]
+
+
+def _contexts(i: int, c: ChoiceScore) -> list[tuple]:
+    # Spans after the prompt's own tokens that start at one position follow the same tokens as
+    # far as they agree; a span after other tokens is keyed by its choice alone.
+    lead = (c.start,) if c.after_prompt else ("choice", i)
+    return [(*lead, *c.token_ids[: j + 1]) for j in range(len(c.token_ids))]
 
 
 def select(
     backend: Backend, prompt: str, choices: list[str], method: ChoicesSamplingMethod
 ) -> ChoicesDecision:
-    full, starts, logprobs = backend.score_choices(prompt, choices)
-    scored = _same_context_same_value(full, starts, logprobs)
+    scores = backend.score_choices(prompt, choices)
+    scored = _same_context_same_value(
+        [_contexts(i, c) for i, c in enumerate(scores)], [c.logprobs for c in scores]
+    )
     input_token_logprobs: list[list[TokenLogprob]] = [
-        [(lp, ids[start + j], None) for j, lp in enumerate(lps)]
-        for ids, start, lps in zip(full, starts, scored, strict=True)
+        [(lp, token, None) for token, lp in zip(c.token_ids, lps, strict=True)]
+        for c, lps in zip(scores, scored, strict=True)
     ]
     normalized = [math.fsum(t[0] for t in tokens) / len(tokens) for tokens in input_token_logprobs]
     unconditional = None
     if method.requires_unconditional_logprobs:
-        spans = [ids[start:] for ids, start in zip(full, starts, strict=True)]
+        spans = [c.token_ids for c in scores]
         bare = _same_context_same_value(
-            spans, [1] * len(spans), backend.prompt_logprobs(spans, [1] * len(spans))
+            [[tuple(span[: j + 2]) for j in range(len(span) - 1)] for span in spans],
+            backend.prompt_logprobs(spans, [1] * len(spans)),
         )
         unconditional = [
             [(None, span[0], None)] + [(lp, span[j + 1], None) for j, lp in enumerate(lps)]

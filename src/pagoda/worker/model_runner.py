@@ -120,10 +120,10 @@ class ModelRunner:
         if scored:
             output.prompt_logprobs = self._prompt_logprobs(scored, logits[num_head:])
         if nexts:
-            rows = logits[num_sampling:num_head]
+            next_rows = logits[num_sampling:num_head]  # (`rows` are the sampling rows' params)
             for i, req in enumerate(nexts):
-                ids = torch.tensor(req.params.next_token_ids, device=rows.device)
-                output.next_token_logprobs[req.request_id] = next_token_logprobs(rows[i], ids)
+                ids = torch.tensor(req.params.next_token_ids, device=next_rows.device)
+                output.next_token_logprobs[req.request_id] = next_token_logprobs(next_rows[i], ids)
         logits = logits[:num_sampling]
         if not sampling:
             return output

@@ -143,6 +143,12 @@ def _constrain_requests(
         "logprobs": _set(minimum=0, maximum=limits.max_logprobs),
         "suffix": _replace({"type": "null", "description": "not supported: must be null"}),
         "best_of": _set(minimum=1, maximum=limits.max_n, description="must equal n"),
+        "logprob_start_char": _set(
+            minimum=0,
+            maximum=text_limit,
+            description="pagoda: prompt logprobs of each text prompt's tokens after its first N characters "
+            "(from its first token that differs from theirs), the span alone from prompt_logprobs_start",
+        ),
     }
     chat = {
         **sampling,

@@ -247,16 +247,43 @@ class CompletionRequest(_SamplingRequest):
     # vLLM's: each choice also carries its prompt's token ids and its output's (in a stream: the
     # prompt's in the choice's first chunk, each chunk's new tokens).
     return_token_ids: bool | None = None
+    # pagoda's extension for scoring continuations (pagoda.lang's select): each prompt's logprobs
+    # start at its first token that differs from the tokens of its first `logprob_start_char`
+    # characters (Unicode code points) alone, and each choice's prompt_logprobs hold that span
+    # only, from its `prompt_logprobs_start` (see continuations.py).
+    logprob_start_char: StrictInt | None = None
 
     def max_tokens_requested(self) -> int | None:
         return self.max_tokens
 
     def check(self) -> None:
         self.common_checks()
+        if self.logprob_start_char is not None:
+            self._check_start_char()
         if self.suffix is not None:
             raise ParamError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported", "best_of")
+
+    def _check_start_char(self) -> None:
+        chars, field = self.logprob_start_char, "logprob_start_char"
+        if chars is None:
+            return
+        if chars < 0:
+            raise ParamError(f"logprob_start_char must be an integer >= 0, got {chars}", field)
+        if self.logprob_start_len is not None:
+            raise ParamError("logprob_start_char and logprob_start_len cannot be given together", field)
+        if self.prompt_logprobs is None:
+            raise ParamError("logprob_start_char needs prompt_logprobs", field)
+        prompts = self.prompts()
+        if not all(isinstance(p, str) for p in prompts):
+            raise ParamError("logprob_start_char needs text prompts (it counts characters)", field)
+        shortest = min(len(p) for p in prompts)
+        if chars > shortest:
+            raise ParamError(
+                f"logprob_start_char ({chars}) must be at most the prompt's length ({shortest} characters)",
+                field,
+            )
 
     def engine_prompt_logprobs(self) -> int | None:
         """prompt_logprobs, or with echo the logprobs asked (the echoed prompt's, as vLLM)."""
@@ -579,6 +606,7 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobsOut | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
     token_ids: list[int] | None = None  # with return_token_ids
+    prompt_logprobs_start: int | None = None  # with logprob_start_char: prompt_logprobs[0]'s position
 
 
 class CompletionResponse(BaseModel):

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagoda.engine.async_engine import RequestStream
+from pagoda.entrypoints.openai import continuations
 from pagoda.entrypoints.openai.limits import check_body, constraint_field
 from pagoda.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -34,6 +35,7 @@ from pagoda.entrypoints.openai.serving_common import (
     param_error,
     sse,
     top_entries,
+    unless_disconnected,
 )
 from pagoda.limits import LimitError
 from pagoda.outputs import Logprob
@@ -68,6 +70,15 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     prompt_ids, echoes = await state.off_loop(lambda: _prepare(state, prompts, params, bool(body.echo)))
     base_id = new_id("cmpl")
     request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+    starts: list[int] | None = None
+    if body.logprob_start_char is not None:
+        chars = body.logprob_start_char
+        texts = [str(p) for p in prompts]  # body.check() refused token-id prompts
+        spans = await state.off_loop(lambda: continuations.find_spans(state, texts, prompt_ids, chars))
+        if spans.shared is not None and continuations.one_pass(body, params, spans):
+            return await _scored_in_one_pass(state, body, raw, model, base_id, request_ids, prompt_ids, spans)
+        starts = spans.starts
+        params = continuations.general_params(params, spans)
     stream = await state.start(
         request_ids, prompt_ids, params, cache_salt=body.cache_salt, stream=bool(body.stream)
     )
@@ -103,13 +114,53 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
-                    prompt_logprobs=prompt_logprobs_out(out.prompt_logprobs),
+                    prompt_logprobs=prompt_logprobs_out(
+                        out.prompt_logprobs if starts is None else (out.prompt_logprobs or [])[starts[p] :]
+                    ),
                     prompt_token_ids=prompt_ids[p] if body.return_token_ids else None,
                     token_ids=list(c.token_ids) if body.return_token_ids else None,
+                    prompt_logprobs_start=None if starts is None else starts[p],
                 )
             )
     choices.sort(key=lambda c: c.index)
     usage = make_usage(sum(map(len, prompt_ids)), num_completion, num_cached, counts.totals())
+    return json_response(
+        CompletionResponse(id=base_id, created=now_s(), model=model, choices=choices, usage=usage)
+    )
+
+
+async def _scored_in_one_pass(
+    state: ServerState,
+    body: CompletionRequest,
+    raw: Request,
+    model: str,
+    base_id: str,
+    request_ids: list[str],
+    prompt_ids: list[list[int]],
+    spans: continuations.Spans,
+) -> Response:
+    """logprob_start_char's scoring with each row computed once (continuations.score_one_pass).
+    Usage counts every prompt's tokens; those the engine did not compute count as cached."""
+    assert spans.shared is not None
+    work = continuations.score_one_pass(state, request_ids, prompt_ids, spans.shared, body.cache_salt)
+    scored = await unless_disconnected(raw, work)
+    if isinstance(scored, Response):
+        return scored
+    ids = bool(body.return_token_ids)
+    choices = [
+        CompletionChoice(
+            index=i,
+            text="",
+            finish_reason="length",
+            prompt_logprobs=prompt_logprobs_out(one.entries),
+            prompt_token_ids=prompt_ids[i] if ids else None,
+            token_ids=[] if ids else None,
+            prompt_logprobs_start=start,
+        )
+        for i, (one, start) in enumerate(zip(scored, spans.starts, strict=True))
+    ]
+    num_prompt = sum(map(len, prompt_ids))
+    usage = make_usage(num_prompt, 0, num_prompt - sum(one.num_computed for one in scored))
     return json_response(
         CompletionResponse(id=base_id, created=now_s(), model=model, choices=choices, usage=usage)
     )

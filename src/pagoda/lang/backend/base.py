@@ -89,6 +89,30 @@ def choice_spans(prompt_ids: list[int], full_ids: list[list[int]]) -> list[int]:
     return [max(1, min(common_prefix_len(prompt_ids, ids), len(ids) - 1)) for ids in full_ids]
 
 
+@dataclass(frozen=True)
+class ChoiceScore:
+    """One choice's scored tokens: those of prompt + choice from `start` on (where they differ
+    from the prompt's own tokens), and each one's logprob given all the tokens before it."""
+
+    start: int
+    token_ids: list[int]
+    logprobs: list[float]
+    # Whether the tokens before `start` are known to be the prompt's own (False where a choice
+    # re-tokenized the prompt's first token, or where the backend cannot tell): two such choices
+    # whose spans start at the same position and agree up to a token follow the same tokens there.
+    after_prompt: bool
+
+
+def choice_scores(
+    prompt_ids: list[int], full: list[list[int]], starts: list[int], logprobs: list[list[float]]
+) -> list[ChoiceScore]:
+    """ChoiceScores from each prompt + choice's whole token ids."""
+    return [
+        ChoiceScore(start, ids[start:], lps, ids[:start] == prompt_ids[:start])
+        for ids, start, lps in zip(full, starts, logprobs, strict=True)
+    ]
+
+
 class Backend(ABC):
     """The engine side of the interpreter. Subclasses implement the transport."""
 
@@ -121,17 +145,15 @@ class Backend(ABC):
         `start` on, given the tokens before it. Raises BackendCapabilityError when the engine
         cannot return prompt logprobs."""
 
-    def score_choices(
-        self, prompt: str, choices: list[str]
-    ) -> tuple[list[list[int]], list[int], list[list[float]]]:
-        """select's scoring, in one batched request: for each choice, the token ids of prompt +
-        choice, where the choice's own tokens start in them (`choice_spans`), and those tokens'
-        logprobs. Raises BackendCapabilityError when the engine cannot return prompt logprobs."""
+    def score_choices(self, prompt: str, choices: list[str]) -> list[ChoiceScore]:
+        """select's scoring, in one batched request: each choice's own tokens in prompt + choice
+        (from `choice_spans`) and their logprobs. Raises BackendCapabilityError when the engine
+        cannot return prompt logprobs."""
         self.check_prompt_logprobs()
         prompt_ids = self.tokenize(prompt)
         full = [self.tokenize(prompt + choice) for choice in choices]
         starts = choice_spans(prompt_ids, full)
-        return full, starts, self.prompt_logprobs(full, starts)
+        return choice_scores(prompt_ids, full, starts, self.prompt_logprobs(full, starts))
 
     @abstractmethod
     def supports_prompt_logprobs(self) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 
 from pagoda import LLM, CompletionOutput, RequestOutput, SamplingParams
 from pagoda.engine.async_engine import AsyncLLM, EngineDeadError
-from pagoda.lang.backend.base import Backend, GenOutput, choice_spans
+from pagoda.lang.backend.base import Backend, ChoiceScore, GenOutput, choice_scores, choice_spans
 from pagoda.lang.errors import BackendRequestError
 
 _PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -122,9 +122,7 @@ class Engine(Backend):
             self._count(len(prompt), out.num_cached_tokens, 0)
         return result
 
-    def score_choices(
-        self, prompt: str, choices: list[str]
-    ) -> tuple[list[list[int]], list[int], list[list[float]]]:
+    def score_choices(self, prompt: str, choices: list[str]) -> list[ChoiceScore]:
         """select's scoring with no row computed twice or for nothing, when every choice's tokens
         follow the prompt's own (else as the base class): one prompt-only request computes the
         prompt and scores every choice's first token from its last row
@@ -138,7 +136,7 @@ class Engine(Backend):
         starts = choice_spans(prompt_ids, full)
         s = len(prompt_ids)
         if any(start != s or ids[:s] != prompt_ids for ids, start in zip(full, starts, strict=True)):
-            return full, starts, self.prompt_logprobs(full, starts)
+            return choice_scores(prompt_ids, full, starts, self.prompt_logprobs(full, starts))
         firsts = sorted({ids[s] for ids in full})
         (head,) = self._wait(
             self._collect([prompt_ids], [SamplingParams(max_tokens=0, next_token_ids=firsts)])
@@ -166,7 +164,7 @@ class Engine(Backend):
                 scores.append(tail.next_token_logprobs[ids[-1]].logprob)
                 self._count(len(ids) - 1, tail.num_cached_tokens, 0)
             result.append(scores)
-        return full, starts, result
+        return choice_scores(prompt_ids, full, starts, result)
 
     def flush_cache(self) -> None:
         self._wait(self._engine.call(lambda engine: engine.reset_prefix_cache()))

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from pagoda import SamplingParams, http_client
-from pagoda.lang.backend.base import Backend, GenOutput, choice_spans
+from pagoda.lang.backend.base import Backend, ChoiceScore, GenOutput, choice_scores, choice_spans
 from pagoda.lang.choices import TokenLogprob
 from pagoda.lang.errors import BackendRequestError
 
@@ -163,17 +163,18 @@ class RuntimeEndpoint(Backend):
         )
         return result
 
-    def score_choices(
-        self, prompt: str, choices: list[str]
-    ) -> tuple[list[list[int]], list[int], list[list[float]]]:
-        """One /tokenize of the prompt, then the choices as texts in one prompt-only scoring
-        request that returns their token ids (vLLM's return_token_ids) and scores from the
-        prompt's end on (so each choice's request finds the prompt cached but its last token):
-        two round trips, where tokenizing every prompt + choice first takes one per choice more.
-        A choice that re-tokenizes the prompt's end is scored again from its true start (exact,
-        one more request), as is a select whose prompt + choice is no longer than the prompt
-        (which the server refuses to score from there)."""
+    def score_choices(self, prompt: str, choices: list[str]) -> list[ChoiceScore]:
+        """On a server with `logprob_start_char` (pagoda's extension): one prompt-only request with
+        the choices as texts, which the server scores from where each choice's tokens differ from
+        the prompt's own, computing each row once, and which answers with only the scored spans.
+        Otherwise (vLLM's fields): one /tokenize of the prompt, then one such request that scores
+        from the prompt's end on and returns each prompt + choice's token ids (vLLM's
+        return_token_ids); a choice that re-tokenizes the prompt's end is scored again from its
+        true start (exact, one more request), as is a select whose prompt + choice is no longer
+        than the prompt (which the server refuses to score from there)."""
         self.check_prompt_logprobs()
+        if self._feature("logprob_start_char", 1, prompt="Hello, world: 1 2 3"):
+            return self._score_continuations(prompt, choices)
         if not (self._feature("logprob_start_len") and self._feature("return_token_ids", True)):
             return super().score_choices(prompt, choices)
         prompt_ids = self.tokenize(prompt)
@@ -194,14 +195,40 @@ class RuntimeEndpoint(Backend):
         full = [c["prompt_token_ids"] for c in out]
         starts = choice_spans(prompt_ids, full)
         if min(starts) < first:  # a choice re-tokenized the prompt's end: score from there
-            return full, starts, self.prompt_logprobs(full, starts)
+            return choice_scores(prompt_ids, full, starts, self.prompt_logprobs(full, starts))
         usage = data["usage"]
         self._count(usage["prompt_tokens"], _cached(usage), usage["completion_tokens"], requests=len(full))
         logprobs = [
             [_entry_logprob(c["prompt_logprobs"][i], ids[i]) for i in range(start, len(ids))]
             for c, ids, start in zip(out, full, starts, strict=True)
         ]
-        return full, starts, logprobs
+        return choice_scores(prompt_ids, full, starts, logprobs)
+
+    def _score_continuations(self, prompt: str, choices: list[str]) -> list[ChoiceScore]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": [prompt + choice for choice in choices],
+            "max_tokens": 0,  # prompt-only: nothing sampled
+            "prompt_logprobs": 0,  # each entry is the scored token alone
+            "logprob_start_char": len(prompt),
+        }
+        data = self._request("POST", "/v1/completions", body)
+        scores = []
+        for c in sorted(data["choices"], key=lambda c: c["index"]):
+            ids, lps = [], []
+            for entry in c["prompt_logprobs"]:
+                if not entry or len(entry) != 1:
+                    raise BackendRequestError(f"{self.name}: a scored position without its one entry")
+                ((token, value),) = entry.items()
+                ids.append(int(token))
+                lps.append(float(value["logprob"]))
+            start = c["prompt_logprobs_start"]
+            # from position 2 on, the tokens before a span are the prompt's own (the server
+            # starts it where they differ, or at the last token of a prompt + choice that has none)
+            scores.append(ChoiceScore(start, ids, lps, after_prompt=start > 1))
+        usage = data["usage"]
+        self._count(usage["prompt_tokens"], _cached(usage), usage["completion_tokens"], requests=len(choices))
+        return scores
 
     def flush_cache(self) -> None:
         self._request("POST", "/reset_prefix_cache")
@@ -269,14 +296,15 @@ class RuntimeEndpoint(Backend):
             top_logprobs=top,
         )
 
-    def _feature(self, field: str, value: Any = 0) -> bool:
-        """Whether /v1/completions accepts `field` (asked once with a one-token request that sends
-        it as `value`)."""
+    def _feature(self, field: str, value: Any = 0, *, prompt: str | None = None) -> bool:
+        """Whether /v1/completions accepts `field` (asked once with a one-token request, or with
+        `prompt`, that sends it as `value`)."""
         with self._features_lock:
             known = self._features.get(field)
         if known is not None:
             return known
-        probe = {"model": self.model, "prompt": self.tokenize("a")[-1:], "max_tokens": 1, field: value}
+        text = self.tokenize("a")[-1:] if prompt is None else prompt
+        probe = {"model": self.model, "prompt": text, "max_tokens": 1, field: value}
         if field != "prompt_logprobs":
             probe["prompt_logprobs"] = 0
         response = self._send("POST", "/v1/completions", probe)

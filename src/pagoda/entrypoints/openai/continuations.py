@@ -1,0 +1,148 @@
+"""`/v1/completions` with `logprob_start_char` (a pagoda extension): score each prompt's
+continuation of its first N characters, in one request (pagoda.lang's select over HTTP).
+
+Each prompt's scored span starts at its first token that differs from the tokens of its first N
+characters tokenized alone (so a continuation that merges with the end of that text scores the
+merged token), never before position 1, and holds at least the prompt's last token. The answer
+carries only the span: `prompt_logprobs` from `prompt_logprobs_start` on.
+
+When the request is a plain scoring request (max_tokens 0, prompt_logprobs 0, n 1, no echo or
+logprobs) and every prompt continues one shared text token for token, the engine computes each
+row once (`one_pass`): one prompt-only request for the shared text scores every continuation's
+first token from its last row (`SamplingParams.next_token_ids`); then, for each continuation of
+two or more tokens, one prompt-only request of it without its last token, which finds the
+shared text cached, scores the middle tokens as prompt logprobs and the last token from its last
+row. The logprobs are those the general path computes (same rows, same arithmetic); the general
+path (any other request) scores every prompt from the earliest span start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.protocol import CompletionRequest
+from pagoda.entrypoints.openai.serving_common import ServerState, collect
+from pagoda.outputs import Logprob, PromptLogprobs
+from pagoda.sampling_params import SamplingParams
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class Spans:
+    starts: list[int]  # per prompt: its first scored position
+    # The shared text's token ids, when every prompt starts with the same text and continues its
+    # tokens unchanged (each span starts right after them): what one_pass needs.
+    shared: list[int] | None
+
+
+def find_spans(state: ServerState, prompts: list[str], prompt_ids: list[list[int]], chars: int) -> Spans:
+    """Where each prompt's scored span starts (blocking: the tokenizer thread's)."""
+    tokenizer = state.engine.tokenizer
+    contexts: dict[str, list[int]] = {}  # one tokenization per distinct leading text
+    starts = []
+    for text, ids in zip(prompts, prompt_ids, strict=True):
+        if len(ids) < 2:
+            raise APIError(
+                "logprob_start_char needs prompts of two tokens or more (the first has no logprob)",
+                param="logprob_start_char",
+            )
+        head = text[:chars]
+        context = contexts.get(head)
+        if context is None:
+            context = contexts[head] = list(tokenizer(head)["input_ids"]) if head else []
+        starts.append(max(1, min(_common_prefix_len(context, ids), len(ids) - 1)))
+    shared = None
+    if len(contexts) == 1:
+        (context,) = contexts.values()
+        n = len(context)
+        if all(start == n and ids[:n] == context for start, ids in zip(starts, prompt_ids, strict=True)):
+            shared = context
+    return Spans(starts, shared)
+
+
+def one_pass(body: CompletionRequest, params: SamplingParams, spans: Spans) -> bool:
+    """Whether the request can be scored with each row computed once (see the module's doc)."""
+    return (
+        spans.shared is not None
+        and params.max_tokens == 0
+        and params.n == 1
+        and params.prompt_logprobs == 0
+        and not body.echo
+        and body.logprobs is None
+    )
+
+
+@dataclass(frozen=True)
+class Scored:
+    entries: PromptLogprobs  # the span's entries, from its start
+    num_computed: int  # prompt tokens the engine computed for this prompt's requests
+
+
+async def score_one_pass(
+    state: ServerState,
+    request_ids: list[str],
+    prompt_ids: list[list[int]],
+    shared: list[int],
+    cache_salt: str | None,
+) -> list[Scored]:
+    """Every prompt's span (which starts right after `shared`) scored with each row computed once.
+    Raises APIError as `collect` does; every request is aborted however this ends."""
+    s = len(shared)
+    started = []
+    try:
+        head_params = SamplingParams(max_tokens=0, next_token_ids=sorted({ids[s] for ids in prompt_ids}))
+        head_stream = await state.start(
+            [f"{request_ids[0]}-head"], [shared], head_params, cache_salt=cache_salt, stream=False
+        )
+        started.append(head_stream)
+        (head,) = await collect(head_stream)
+        firsts = head.next_token_logprobs or {}
+        tails = {}
+        for i, ids in enumerate(prompt_ids):
+            if len(ids) <= s + 1:
+                continue
+            # the middle tokens, if any, as prompt logprobs; the last one from the last row
+            middle = {"prompt_logprobs": 0, "logprob_start_len": s + 1} if len(ids) > s + 2 else {}
+            params = SamplingParams(max_tokens=0, next_token_ids=[ids[-1]], **middle)
+            stream = await state.start(
+                [request_ids[i]], [ids[:-1]], params, cache_salt=cache_salt, stream=False
+            )
+            started.append(stream)
+            tails[i] = stream
+        outs = {i: (await collect(stream))[0] for i, stream in tails.items()}
+    finally:
+        for stream in started:
+            stream.abort()
+    result = []
+    for i, ids in enumerate(prompt_ids):
+        entries: PromptLogprobs = [{ids[s]: firsts[ids[s]]}]
+        # the shared text is the head's to compute: the first prompt counts it
+        computed = len(shared) - head.num_cached_tokens if i == 0 else 0
+        tail = outs.get(i)
+        if tail is not None:
+            middle = tail.prompt_logprobs or []
+            entries += [{ids[j]: _rank_kept(middle[j], ids[j])} for j in range(s + 1, len(ids) - 1)]
+            entries.append({ids[-1]: (tail.next_token_logprobs or {})[ids[-1]]})
+            computed += len(ids) - 1 - tail.num_cached_tokens
+        result.append(Scored(entries, computed))
+    return result
+
+
+def _rank_kept(entry: dict[int, Logprob] | None, token_id: int) -> Logprob:
+    if entry is None:  # the engine scores every position from logprob_start_len on
+        raise RuntimeError(f"no prompt logprob for token {token_id}")
+    return entry[token_id]
+
+
+def general_params(params: SamplingParams, spans: Spans) -> SamplingParams:
+    """The engine's parameters on the general path: prompt logprobs from the earliest span."""
+    return dataclasses.replace(params, logprob_start_len=min(spans.starts))
