@@ -18,9 +18,11 @@ path (any other request) scores every prompt from the earliest span start.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 
+from pagoda.engine.async_engine import RequestStream
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import CompletionRequest
 from pagoda.entrypoints.openai.serving_common import ServerState, collect
@@ -97,7 +99,7 @@ async def score_one_pass(
     """Every prompt's span (which starts right after `shared`) scored with each row computed once.
     Raises APIError as `collect` does; every request is aborted however this ends."""
     s = len(shared)
-    started = []
+    started: list[RequestStream] = []
     try:
         head_params = SamplingParams(max_tokens=0, next_token_ids=sorted({ids[s] for ids in prompt_ids}))
         head_stream = await state.start(
@@ -106,19 +108,34 @@ async def score_one_pass(
         started.append(head_stream)
         (head,) = await collect(head_stream)
         firsts = head.next_token_logprobs or {}
-        tails = {}
-        for i, ids in enumerate(prompt_ids):
-            if len(ids) <= s + 1:
-                continue
+        longer = [i for i, ids in enumerate(prompt_ids) if len(ids) > s + 1]
+
+        def tail_params(ids: list[int]) -> SamplingParams:
             # the middle tokens, if any, as prompt logprobs; the last one from the last row
             middle = {"prompt_logprobs": 0, "logprob_start_len": s + 1} if len(ids) > s + 2 else {}
-            params = SamplingParams(max_tokens=0, next_token_ids=[ids[-1]], **middle)
-            stream = await state.start(
-                [request_ids[i]], [ids[:-1]], params, cache_salt=cache_salt, stream=False
-            )
-            started.append(stream)
-            tails[i] = stream
-        outs = {i: (await collect(stream))[0] for i, stream in tails.items()}
+            return SamplingParams(max_tokens=0, next_token_ids=[ids[-1]], **middle)
+
+        # Queued together (each start waits for the engine thread to take its request), so that
+        # the tails reach one step.
+        starts = await asyncio.gather(
+            *(
+                state.start(
+                    [request_ids[i]],
+                    [prompt_ids[i][:-1]],
+                    tail_params(prompt_ids[i]),
+                    cache_salt=cache_salt,
+                    stream=False,
+                )
+                for i in longer
+            ),
+            return_exceptions=True,
+        )
+        started += [x for x in starts if isinstance(x, RequestStream)]
+        error = next((x for x in starts if isinstance(x, BaseException)), None)
+        if error is not None:
+            raise error
+        collected = await asyncio.gather(*(collect(x) for x in starts if isinstance(x, RequestStream)))
+        outs = {i: out for i, (out,) in zip(longer, collected, strict=True)}
     finally:
         for stream in started:
             stream.abort()
