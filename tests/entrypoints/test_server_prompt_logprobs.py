@@ -267,6 +267,8 @@ def _scored(base: str, body: dict) -> list[tuple[int, list[int], list[float]]]:
     [
         ("Review: the soup was cold\nSentiment:", [" positive", " positively", " negative", "x"]),
         ("Sentiment: th", ["e whole story", "ink so", ""]),
+        # every continuation starts with the same tokens: the head request scores them
+        ("Review: the soup was cold\nSentiment:", [" positive", " positively", " pos"]),
     ],
 )
 def test_completions_logprob_start_char(pagoda_server, served_model, reference, head, tails):
@@ -294,10 +296,11 @@ def test_completions_logprob_start_char(pagoda_server, served_model, reference, 
 
 
 def test_logprob_start_char_computes_each_row_once(pagoda_server, served_model):
-    """The one-pass scoring computes the head's uncached tokens once and each continuation's tokens
-    but its last (whose KV and logits nobody reads); usage counts the rest as cached."""
+    """The one-pass scoring computes the head's uncached tokens and the tokens every continuation
+    starts with once, then each continuation's other tokens but its last (whose KV and logits
+    nobody reads); usage counts the rest as cached."""
     head = "Question: is the river water, or is it stone?\nAnswer:"
-    tails = [" yes", " yes it is", " no", " it is water"]
+    tails = [" yes", " yes it is", " yesterday", " yes sir"]
     texts = [head + t for t in tails]
     spans = _spans(pagoda_server, served_model, head, texts)
     n = len(_tokens(pagoda_server, served_model, prompt=head))
@@ -310,7 +313,12 @@ def test_logprob_start_char_computes_each_row_once(pagoda_server, served_model):
     computed = (after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]) - (
         after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
     )
-    assert computed == n + sum(len(ids) - n - 1 for ids, _ in spans)
+    lead = 0  # the tokens every continuation starts with (leaving each one of its own)
+    while lead < min(len(ids) for ids, _ in spans) - n - 1 and len({ids[n + lead] for ids, _ in spans}) == 1:
+        lead += 1
+    assert lead >= 1  # the head request scores those
+    h = n + lead
+    assert computed == h + sum(len(ids) - h - 1 for ids, _ in spans)
     usage = data["usage"]
     assert usage["prompt_tokens"] == sum(len(ids) for ids, _ in spans)
     assert usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] == computed

@@ -8,11 +8,11 @@ carries only the span: `prompt_logprobs` from `prompt_logprobs_start` on.
 
 When the request is a plain scoring request (max_tokens 0, prompt_logprobs 0, n 1, no echo or
 logprobs) and every prompt continues one shared text token for token, the engine computes each
-row once (`one_pass`): one prompt-only request for the shared text scores every continuation's
-first token from its last row (`SamplingParams.next_token_ids`); then, for each continuation of
-two or more tokens, one prompt-only request of it without its last token, which finds the
-shared text cached, scores the middle tokens as prompt logprobs and the last token from its last
-row. The logprobs are those the general path computes (same rows, same arithmetic); the general
+row once (`one_pass`): one prompt-only request for the shared text, and the tokens all
+continuations start with (scored as its prompt logprobs), scores every continuation's next
+token from its last row (`SamplingParams.next_token_ids`); then, for each continuation longer
+than that, one prompt-only request of it without its last token, which finds the head cached,
+scores the middle tokens as prompt logprobs and the last token from its last row. The logprobs are those the general path computes (same rows, same arithmetic); the general
 path (any other request) scores every prompt from the earliest span start.
 """
 
@@ -89,6 +89,16 @@ class Scored:
     num_computed: int  # prompt tokens the engine computed for this prompt's requests
 
 
+def _shared_lead(prompt_ids: list[list[int]], s: int) -> int:
+    """How many tokens after position `s` every prompt has in common, leaving each at least one
+    token of its own."""
+    n = min(len(ids) for ids in prompt_ids) - s - 1
+    lead = 0
+    while lead < n and all(ids[s + lead] == prompt_ids[0][s + lead] for ids in prompt_ids):
+        lead += 1
+    return lead
+
+
 async def score_one_pass(
     state: ServerState,
     request_ids: list[str],
@@ -97,22 +107,29 @@ async def score_one_pass(
     cache_salt: str | None,
 ) -> list[Scored]:
     """Every prompt's span (which starts right after `shared`) scored with each row computed once.
+    The head request is the shared text and the tokens every continuation starts with (those
+    scored as its prompt logprobs); its last row scores each continuation's next token.
     Raises APIError as `collect` does; every request is aborted however this ends."""
     s = len(shared)
+    lead = _shared_lead(prompt_ids, s)
+    h = s + lead  # the head's length: every prompt continues it by one token or more
     started: list[RequestStream] = []
     try:
-        head_params = SamplingParams(max_tokens=0, next_token_ids=sorted({ids[s] for ids in prompt_ids}))
+        head_params = SamplingParams(
+            max_tokens=0,
+            next_token_ids=sorted({ids[h] for ids in prompt_ids}),
+            **({"prompt_logprobs": 0, "logprob_start_len": s} if lead else {}),
+        )
         head_stream = await state.start(
-            [f"{request_ids[0]}-head"], [shared], head_params, cache_salt=cache_salt, stream=False
+            [f"{request_ids[0]}-head"], [prompt_ids[0][:h]], head_params, cache_salt=cache_salt, stream=False
         )
         started.append(head_stream)
         (head,) = await collect(head_stream)
-        firsts = head.next_token_logprobs or {}
-        longer = [i for i, ids in enumerate(prompt_ids) if len(ids) > s + 1]
+        longer = [i for i, ids in enumerate(prompt_ids) if len(ids) > h + 1]
 
         def tail_params(ids: list[int]) -> SamplingParams:
             # the middle tokens, if any, as prompt logprobs; the last one from the last row
-            middle = {"prompt_logprobs": 0, "logprob_start_len": s + 1} if len(ids) > s + 2 else {}
+            middle = {"prompt_logprobs": 0, "logprob_start_len": h + 1} if len(ids) > h + 2 else {}
             return SamplingParams(max_tokens=0, next_token_ids=[ids[-1]], **middle)
 
         # Queued together (each start waits for the engine thread to take its request), so that
@@ -139,24 +156,29 @@ async def score_one_pass(
     finally:
         for stream in started:
             stream.abort()
+    ids0 = prompt_ids[0]
+    head_entries = [{ids0[j]: _rank_kept(head.prompt_logprobs, j, ids0[j])} for j in range(s, h)]
+    nexts = head.next_token_logprobs or {}
     result = []
     for i, ids in enumerate(prompt_ids):
-        entries: PromptLogprobs = [{ids[s]: firsts[ids[s]]}]
-        # the shared text is the head's to compute: the first prompt counts it
-        computed = len(shared) - head.num_cached_tokens if i == 0 else 0
+        entries: PromptLogprobs = [*head_entries, {ids[h]: nexts[ids[h]]}]
+        # the head is computed once: the first prompt counts it
+        computed = h - head.num_cached_tokens if i == 0 else 0
         tail = outs.get(i)
         if tail is not None:
-            middle = tail.prompt_logprobs or []
-            entries += [{ids[j]: _rank_kept(middle[j], ids[j])} for j in range(s + 1, len(ids) - 1)]
+            entries += [
+                {ids[j]: _rank_kept(tail.prompt_logprobs, j, ids[j])} for j in range(h + 1, len(ids) - 1)
+            ]
             entries.append({ids[-1]: (tail.next_token_logprobs or {})[ids[-1]]})
             computed += len(ids) - 1 - tail.num_cached_tokens
         result.append(Scored(entries, computed))
     return result
 
 
-def _rank_kept(entry: dict[int, Logprob] | None, token_id: int) -> Logprob:
+def _rank_kept(entries: PromptLogprobs | None, j: int, token_id: int) -> Logprob:
+    entry = entries[j] if entries is not None and j < len(entries) else None
     if entry is None:  # the engine scores every position from logprob_start_len on
-        raise RuntimeError(f"no prompt logprob for token {token_id}")
+        raise RuntimeError(f"no prompt logprob for token {token_id} at position {j}")
     return entry[token_id]
 
 
