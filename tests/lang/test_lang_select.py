@@ -198,16 +198,23 @@ def test_select_over_http_round_trips(request, engine_backend, which, paths) -> 
 
 
 @pytest.mark.parametrize("which", ["engine", "http"])
-def test_select_computes_each_row_once(request, lang_server, reference, which) -> None:
+@pytest.mark.parametrize(
+    "choices, lead",
+    [([" positive", " positively", "p", " negative"], 0), ([" positive", " positively", " pos", " posh"], 3)],
+)
+def test_select_computes_each_row_once(request, lang_server, reference, which, choices, lead) -> None:
     """select's scoring (pl.Engine's, and the server's with logprob_start_char): after the prompt,
-    the engine computes the prompt's last token once and each choice's tokens but its last (whose
-    KV and logits nobody reads); choices sharing a first token, one-token choices among them,
-    score as transformers does."""
+    the engine computes the prompt's last token and the tokens every choice starts with once,
+    then each choice's other tokens but its last (whose KV and logits nobody reads); choices
+    sharing first tokens, one-token choices among them, score as transformers does."""
     backend = request.getfixturevalue(f"{which}_backend")
-    choices = [" positive", " positively", "p", " negative"]
     prompt_ids = backend.tokenize(PROMPT)
-    lengths = [len(backend.tokenize(PROMPT + c)) - len(prompt_ids) for c in choices]
-    assert 1 in lengths and max(lengths) >= 3
+    full = [backend.tokenize(PROMPT + c) for c in choices]
+    lengths = [len(ids) - len(prompt_ids) for ids in full]
+    assert max(lengths) >= 3 and (lead > 0 or 1 in lengths)
+    # the tokens all choices start with, leaving each one of its own
+    assert all(ids[: len(prompt_ids) + lead] == full[0][: len(prompt_ids) + lead] for ids in full)
+    assert min(lengths) == lead + 1 or len({ids[len(prompt_ids) + lead] for ids in full}) > 1
     backend.flush_cache()
     backend.commit(PROMPT[:-4])  # all of the prompt cached but its last few tokens
     uncached = len(prompt_ids) - len(backend.tokenize(PROMPT[:-4]))
@@ -226,8 +233,9 @@ def test_select_computes_each_row_once(request, lang_server, reference, which) -
         computed = core.stats().num_computed_tokens - before
     else:
         computed = _server_computed(lang_server.base_url) - before
-    # the prompt's uncached tokens (its last among them) once, then each choice but its last token
-    assert computed == uncached + sum(n - 1 for n in lengths)
+    # the prompt's uncached tokens (its last among them) and the shared lead once, then each
+    # choice's own tokens but its last
+    assert computed == uncached + lead + sum(n - lead - 1 for n in lengths if n > lead + 1)
     ref = reference(PROMPT, choices)
     got = state.get_meta_info("v")["input_token_logprobs"]
     for tokens, want in zip(got, ref["cond"], strict=True):

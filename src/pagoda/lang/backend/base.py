@@ -89,6 +89,16 @@ def choice_spans(prompt_ids: list[int], full_ids: list[list[int]]) -> list[int]:
     return [max(1, min(common_prefix_len(prompt_ids, ids), len(ids) - 1)) for ids in full_ids]
 
 
+def shared_lead(full_ids: list[list[int]], start: int) -> int:
+    """How many tokens from `start` on every sequence has in common, leaving each at least one
+    token of its own: those a select's choices all start with."""
+    n = min(len(ids) for ids in full_ids) - start - 1
+    lead = 0
+    while lead < n and all(ids[start + lead] == full_ids[0][start + lead] for ids in full_ids):
+        lead += 1
+    return lead
+
+
 @dataclass(frozen=True)
 class ChoiceScore:
     """One choice's scored tokens: those of prompt + choice from `start` on (where they differ

@@ -17,7 +17,14 @@ from typing import Any
 
 from pagoda import LLM, CompletionOutput, RequestOutput, SamplingParams
 from pagoda.engine.async_engine import AsyncLLM, EngineDeadError
-from pagoda.lang.backend.base import Backend, ChoiceScore, GenOutput, choice_scores, choice_spans
+from pagoda.lang.backend.base import (
+    Backend,
+    ChoiceScore,
+    GenOutput,
+    choice_scores,
+    choice_spans,
+    shared_lead,
+)
 from pagoda.lang.errors import BackendRequestError
 
 _PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -125,11 +132,13 @@ class Engine(Backend):
     def score_choices(self, prompt: str, choices: list[str]) -> list[ChoiceScore]:
         """select's scoring with no row computed twice or for nothing, when every choice's tokens
         follow the prompt's own (else as the base class): one prompt-only request computes the
-        prompt and scores every choice's first token from its last row
-        (SamplingParams.next_token_ids); then, for each choice of 2+ tokens, one prompt-only
-        request of the prompt and the choice but its last token, which finds the prompt cached to
-        its last token, scores the choice's middle tokens as prompt logprobs and its last token
-        from its last row (that token itself is never computed: its KV and logits are not needed)."""
+        prompt and the tokens every choice starts with (`shared_lead`, scored as its prompt
+        logprobs) and scores each choice's next token from its last row
+        (SamplingParams.next_token_ids); then, for each choice longer than that, one prompt-only
+        request of the prompt and the choice but its last token, which finds the head cached,
+        scores the choice's middle tokens as prompt logprobs and its last token from its last row
+        (that token itself is never computed: its KV and logits are not needed). The server's
+        logprob_start_char scoring does the same."""
         self.check_prompt_logprobs()
         prompt_ids = self.tokenize(prompt)
         full = [self.tokenize(prompt + choice) for choice in choices]
@@ -137,30 +146,35 @@ class Engine(Backend):
         s = len(prompt_ids)
         if any(start != s or ids[:s] != prompt_ids for ids, start in zip(full, starts, strict=True)):
             return choice_scores(prompt_ids, full, starts, self.prompt_logprobs(full, starts))
-        firsts = sorted({ids[s] for ids in full})
-        (head,) = self._wait(
-            self._collect([prompt_ids], [SamplingParams(max_tokens=0, next_token_ids=firsts)])
+        lead = shared_lead(full, s)
+        h = s + lead  # the head: the prompt and the tokens every choice starts with
+        head_params = SamplingParams(
+            max_tokens=0,
+            next_token_ids=sorted({ids[h] for ids in full}),
+            **({"prompt_logprobs": 0, "logprob_start_len": s} if lead else {}),
         )
-        self._count(s, head.num_cached_tokens, 0)
-        longer = [i for i, ids in enumerate(full) if len(ids) > s + 1]
+        (head,) = self._wait(self._collect([full[0][:h]], [head_params]))
+        self._count(h, head.num_cached_tokens, 0)
+        longer = [i for i, ids in enumerate(full) if len(ids) > h + 1]
         params = [
             SamplingParams(
                 max_tokens=0,
                 next_token_ids=[full[i][-1]],
                 # the choice's middle tokens, if any, as prompt logprobs
-                **({"prompt_logprobs": 0, "logprob_start_len": s + 1} if len(full[i]) > s + 2 else {}),
+                **({"prompt_logprobs": 0, "logprob_start_len": h + 1} if len(full[i]) > h + 2 else {}),
             )
             for i in longer
         ]
         tails = dict(
             zip(longer, self._wait(self._collect([full[i][:-1] for i in longer], params)), strict=True)
         )
+        shared = [head.prompt_logprobs[j][full[0][j]].logprob for j in range(s, h)]
         result = []
         for i, ids in enumerate(full):
-            scores = [head.next_token_logprobs[ids[s]].logprob]
+            scores = [*shared, head.next_token_logprobs[ids[h]].logprob]
             tail = tails.get(i)
             if tail is not None:
-                scores += [tail.prompt_logprobs[j][ids[j]].logprob for j in range(s + 1, len(ids) - 1)]
+                scores += [tail.prompt_logprobs[j][ids[j]].logprob for j in range(h + 1, len(ids) - 1)]
                 scores.append(tail.next_token_logprobs[ids[-1]].logprob)
                 self._count(len(ids) - 1, tail.num_cached_tokens, 0)
             result.append(scores)
