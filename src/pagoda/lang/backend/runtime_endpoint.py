@@ -2,8 +2,10 @@
 
 Gens are `POST /v1/completions` with the program's text as the prompt (streamed as SSE for
 `run(stream=True)`); the chat template is read through `/tokenize` (messages → token ids) and
-`/detokenize`; select's scoring sends token ids with vLLM's `prompt_logprobs` field, which the
-server may or may not have: the first select asks it once and remembers.
+`/detokenize`; select's scoring uses the `prompt_logprobs` field (vLLM's) with pagoda's
+`logprob_start_char` where the server has it (one request a select), else with
+`logprob_start_len` and `return_token_ids` (after a `/tokenize` of the prompt): the first select
+asks the server which fields it takes, once each, and remembers.
 """
 
 from __future__ import annotations
