@@ -7,7 +7,7 @@ import math
 import pytest
 
 import pagoda.lang as pl
-from pagoda.lang.backend.base import choice_spans
+from pagoda.tokenizer.spans import choice_spans
 
 from .lang_fakes import FakeBackend
 

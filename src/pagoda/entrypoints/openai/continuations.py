@@ -28,14 +28,7 @@ from pagoda.entrypoints.openai.protocol import CompletionRequest
 from pagoda.entrypoints.openai.serving_common import ServerState, collect
 from pagoda.outputs import Logprob, PromptLogprobs
 from pagoda.sampling_params import SamplingParams
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+from pagoda.tokenizer.spans import shared_lead, span_start
 
 
 @dataclass(frozen=True)
@@ -61,7 +54,7 @@ def find_spans(state: ServerState, prompts: list[str], prompt_ids: list[list[int
         context = contexts.get(head)
         if context is None:
             context = contexts[head] = list(tokenizer(head)["input_ids"]) if head else []
-        starts.append(max(1, min(_common_prefix_len(context, ids), len(ids) - 1)))
+        starts.append(span_start(context, ids))
     shared = None
     if len(contexts) == 1:
         (context,) = contexts.values()
@@ -89,16 +82,6 @@ class Scored:
     num_computed: int  # prompt tokens the engine computed for this prompt's requests
 
 
-def _shared_lead(prompt_ids: list[list[int]], s: int) -> int:
-    """How many tokens after position `s` every prompt has in common, leaving each at least one
-    token of its own."""
-    n = min(len(ids) for ids in prompt_ids) - s - 1
-    lead = 0
-    while lead < n and all(ids[s + lead] == prompt_ids[0][s + lead] for ids in prompt_ids):
-        lead += 1
-    return lead
-
-
 async def score_one_pass(
     state: ServerState,
     request_ids: list[str],
@@ -111,7 +94,7 @@ async def score_one_pass(
     scored as its prompt logprobs); its last row scores each continuation's next token.
     Raises APIError as `collect` does; every request is aborted however this ends."""
     s = len(shared)
-    lead = _shared_lead(prompt_ids, s)
+    lead = shared_lead(prompt_ids, s)
     h = s + lead  # the head's length: every prompt continues it by one token or more
     started: list[RequestStream] = []
     try:

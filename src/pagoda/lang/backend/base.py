@@ -25,6 +25,7 @@ from pagoda import SamplingParams
 from pagoda.lang.chat_template import ChatTemplate
 from pagoda.lang.choices import TokenLogprob
 from pagoda.lang.errors import BackendCapabilityError
+from pagoda.tokenizer.spans import choice_spans
 
 # The request that commits a prefix to the engine's cache: the prompt alone, nothing sampled.
 COMMIT_PARAMS = SamplingParams(max_tokens=0)
@@ -72,31 +73,6 @@ class Usage:
     def computed_prompt_tokens(self) -> int:
         """Prompt tokens the engine computed: those the prefix cache did not serve."""
         return self.prompt_tokens - self.cached_tokens
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def choice_spans(prompt_ids: list[int], full_ids: list[list[int]]) -> list[int]:
-    """Where each choice's scored tokens start in its prompt+choice tokens: after the tokens it
-    shares with the prompt, but never at 0 (the first token has no logprob) and never past its
-    last token (every choice scores at least one token)."""
-    return [max(1, min(common_prefix_len(prompt_ids, ids), len(ids) - 1)) for ids in full_ids]
-
-
-def shared_lead(full_ids: list[list[int]], start: int) -> int:
-    """How many tokens from `start` on every sequence has in common, leaving each at least one
-    token of its own: those a select's choices all start with."""
-    n = min(len(ids) for ids in full_ids) - start - 1
-    lead = 0
-    while lead < n and all(ids[start + lead] == full_ids[0][start + lead] for ids in full_ids):
-        lead += 1
-    return lead
 
 
 @dataclass(frozen=True)

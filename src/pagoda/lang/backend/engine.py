@@ -17,15 +17,9 @@ from typing import Any
 
 from pagoda import LLM, CompletionOutput, RequestOutput, SamplingParams
 from pagoda.engine.async_engine import AsyncLLM, EngineDeadError
-from pagoda.lang.backend.base import (
-    Backend,
-    ChoiceScore,
-    GenOutput,
-    choice_scores,
-    choice_spans,
-    shared_lead,
-)
+from pagoda.lang.backend.base import Backend, ChoiceScore, GenOutput, choice_scores
 from pagoda.lang.errors import BackendRequestError
+from pagoda.tokenizer.spans import choice_spans, shared_lead
 
 _PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 

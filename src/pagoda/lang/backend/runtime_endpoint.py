@@ -20,9 +20,10 @@ from typing import Any
 import httpx
 
 from pagoda import SamplingParams, http_client
-from pagoda.lang.backend.base import Backend, ChoiceScore, GenOutput, choice_scores, choice_spans
+from pagoda.lang.backend.base import Backend, ChoiceScore, GenOutput, choice_scores
 from pagoda.lang.choices import TokenLogprob
 from pagoda.lang.errors import BackendRequestError
+from pagoda.tokenizer.spans import choice_spans
 
 # SamplingParams fields and the /v1/completions fields they travel as (same names but `structured_outputs`).
 _SENT_FIELDS = (
