@@ -195,27 +195,40 @@ template <int C, int RT, typename E>
 void v_tile(const VRows<E>& rows, int64_t d0, const Mask* masks, const float* p, int64_t ldp, const float* inv_sum,
             int64_t r0, const OutRows<E>& out) {
   constexpr int K = C * kSplit;
-  VecN acc[RT][K];
-  for (int r = 0; r < RT; ++r)
-    for (int k = 0; k < K; ++k) acc[r][k] = set1_n(0.0f);
+  // One flat array, loops unrolled by pragma and no address taken: so GCC keeps every sum in a
+  // register (a 2-D array, or &acc[...], made it store all of them to the stack every position).
+  VecN acc[RT * K];
+#pragma GCC unroll 64
+  for (int i = 0; i < RT * K; ++i) acc[i] = set1_n(0.0f);
   const float* pr = p + r0 * ldp - rows.start;
   for (int64_t t = rows.start; t < rows.len; ++t) {
     const E* v = rows.row(t) + d0;
     if (t + kPrefetchAhead < rows.len) prefetch_row(rows.row(t + kPrefetchAhead) + d0, 16 * C);
     VecN vv[K];
+#pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
       const VecF x = load_elems(v + c * 16, masks[c]);
+#pragma GCC unroll 2
       for (int s = 0; s < kSplit; ++s) vv[c * kSplit + s] = part(x, s);
     }
+#pragma GCC unroll 32
     for (int r = 0; r < RT; ++r) {
       const VecN w = set1_n(pr[r * ldp + t]);
-      for (int k = 0; k < K; ++k) acc[r][k] = fmadd(w, vv[k], acc[r][k]);
+#pragma GCC unroll 16
+      for (int k = 0; k < K; ++k) acc[r * K + k] = fmadd(w, vv[k], acc[r * K + k]);
     }
   }
+#pragma GCC unroll 32
   for (int r = 0; r < RT; ++r) {
     const VecF inv = set1(inv_sum[r0 + r]);
     E* o = out.row(r0 + r) + d0;
-    for (int c = 0; c < C; ++c) store_elems(o + c * 16, mul(join(&acc[r][c * kSplit]), inv), masks[c]);
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      VecN parts[kSplit];
+#pragma GCC unroll 2
+      for (int s = 0; s < kSplit; ++s) parts[s] = acc[r * K + c * kSplit + s];
+      store_elems(o + c * 16, mul(join(parts), inv), masks[c]);
+    }
   }
 }
 
