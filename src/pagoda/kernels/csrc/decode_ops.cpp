@@ -155,9 +155,11 @@ inline VecF load_elems(const float* p, const Mask& m) { return load(p, m); }
 inline void store_elems(uint16_t* p, VecF v, const Mask& m) { store_bf16(p, v, m); }
 inline void store_elems(float* p, VecF v, const Mask& m) { store(p, v, m); }
 
-template <typename E>
+// Into L1 (kHint = _MM_HINT_T0) or L2 (_MM_HINT_T1): the D values of a K or V row.
+template <int kHint = _MM_HINT_T0, typename E>
 inline void prefetch_row(const E* row, int64_t D) {
-  for (int64_t i = 0; i < D; i += 64 / sizeof(E)) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+  for (int64_t i = 0; i < D; i += 64 / sizeof(E))
+    _mm_prefetch(reinterpret_cast<const char*>(row + i), static_cast<_mm_hint>(kHint));
 }
 
 // The V rows of one sequence and KV head, read through its block table.
@@ -459,6 +461,19 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
     std::vector<float> scores;
     std::vector<int64_t> offsets;
     std::vector<float> inv_sum(static_cast<size_t>(max_rows));
+    // Memory: a task's V rows are prefetched into L2 while its K rows are read, and the K rows of
+    // the next task's first two blocks while its softmax and V pass run; each K block prefetches
+    // the next into L1 and the V pass runs kPrefetchAhead positions ahead.
+    const auto prefetch_first_keys = [&](int64_t item) {
+      const auto [b, first] = tiles[static_cast<size_t>(item / Hkv)];
+      const int64_t h = item % Hkv;
+      const int64_t pos0 = lens[b] - (qsl[b + 1] - first);
+      const int64_t len = pos0 + std::min<int64_t>(tile_rows, qsl[b + 1] - first);
+      const int64_t start = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+      const int32_t* table = tables + b * ldt;
+      for (int64_t t = start; t < std::min(len, start + 2 * kPosBlock); ++t)
+        prefetch_row<_MM_HINT_T1>(kc + ((static_cast<int64_t>(table[t / bs]) * bs + t % bs) * Hkv + h) * D, D);
+    };
     for (int64_t item = i0; item < i1; ++item) {
       const auto [b, first] = tiles[static_cast<size_t>(item / Hkv)];
       const int64_t h = item % Hkv;
@@ -495,6 +510,7 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t t0 = start; t0 < len; t0 += kPosBlock) {
         for (int64_t t = t0 + kPosBlock; t < std::min(len, t0 + 2 * kPosBlock); ++t)
           prefetch_row(kc + offsets[t - start], D);
+        for (int64_t t = t0; t < std::min(len, t0 + kPosBlock); ++t) prefetch_row<_MM_HINT_T1>(vc + offsets[t - start], D);
         // kt = K^T of positions [t0, t0 + kPosBlock) (zero rows past len): 16 x 16 blocks of fp32
         // values, or of bf16 pairs as 32-bit lanes.
         const int64_t groups = pairs ? CG : C;
@@ -526,6 +542,7 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
           }
         }
       }
+      if (item + 1 < i1) prefetch_first_keys(item + 1);
       // Softmax numerators in place, exact zeros outside the row's [lo, p]; the division by
       // their sum is applied to the output.
       for (int64_t r = 0; r < R; ++r) {
