@@ -299,7 +299,8 @@ def test_paged_attention_rejects_bad_tables(variant: str) -> None:
 @requires_variants
 def test_variants_agree_bit_for_bit() -> None:
     # Same fp32 operations in the same order on every variant (horizontal sums use one fixed tree),
-    # except bf16 attention on avx512_bf16 (vdpbf16ps scores): there within bf16 tolerance.
+    # except bf16 attention on avx512_bf16 (vdpbf16ps scores and P·V over bf16 weights): there within
+    # bf16 tolerance.
     g = torch.Generator().manual_seed(5)
     norm = _norm(100, 3)
     x = (torch.randn(5, 100, generator=g) * 4).bfloat16()

@@ -7,10 +7,12 @@
 // Numerics: RMSNorm rounds exactly where transformers' bf16 RMSNorm rounds (the sum x + residual,
 // the normalised value, the product with the weight) and keeps the statistics in fp32, so it
 // differs from torch only in the order of the fp32 sum of squares. Attention computes scores,
-// softmax and the weighted sum of V in fp32 and rounds the output once (on avx512_bf16 the bf16
-// scores come from vdpbf16ps: exact products, fp32 sums in its own order, so that variant's bf16
-// attention differs from avx2 / avx512 in the last bits). Attention also takes fp32 tensors (fp32
-// models): fp32 arithmetic on every variant, with nothing rounded.
+// softmax and the weighted sum of V in fp32 and rounds the output once. On avx512_bf16, bf16
+// tensors go through vdpbf16ps twice: the scores (exact products, fp32 sums in its own order) and
+// the weighted sum of V, whose weights are the softmax numerators rounded to bf16 (round to
+// nearest even) and divided, at the end, by the fp32 sum of those rounded numerators; so that
+// variant's bf16 attention differs from avx2 / avx512 within bf16 tolerance. Attention also takes
+// fp32 tensors (fp32 models): fp32 arithmetic on every variant, with nothing rounded.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -155,9 +157,11 @@ inline VecF load_elems(const float* p, const Mask& m) { return load(p, m); }
 inline void store_elems(uint16_t* p, VecF v, const Mask& m) { store_bf16(p, v, m); }
 inline void store_elems(float* p, VecF v, const Mask& m) { store(p, v, m); }
 
-template <typename E>
+// Into L1 (kHint = _MM_HINT_T0) or L2 (_MM_HINT_T1): the D values of a K or V row.
+template <int kHint = _MM_HINT_T0, typename E>
 inline void prefetch_row(const E* row, int64_t D) {
-  for (int64_t i = 0; i < D; i += 64 / sizeof(E)) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+  for (int64_t i = 0; i < D; i += 64 / sizeof(E))
+    _mm_prefetch(reinterpret_cast<const char*>(row + i), static_cast<_mm_hint>(kHint));
 }
 
 // The V rows of one sequence and KV head, read through its block table.
@@ -195,27 +199,40 @@ template <int C, int RT, typename E>
 void v_tile(const VRows<E>& rows, int64_t d0, const Mask* masks, const float* p, int64_t ldp, const float* inv_sum,
             int64_t r0, const OutRows<E>& out) {
   constexpr int K = C * kSplit;
-  VecN acc[RT][K];
-  for (int r = 0; r < RT; ++r)
-    for (int k = 0; k < K; ++k) acc[r][k] = set1_n(0.0f);
+  // One flat array, loops unrolled by pragma and no address taken: so GCC keeps every sum in a
+  // register (a 2-D array, or &acc[...], made it store all of them to the stack every position).
+  VecN acc[RT * K];
+#pragma GCC unroll 64
+  for (int i = 0; i < RT * K; ++i) acc[i] = set1_n(0.0f);
   const float* pr = p + r0 * ldp - rows.start;
   for (int64_t t = rows.start; t < rows.len; ++t) {
     const E* v = rows.row(t) + d0;
     if (t + kPrefetchAhead < rows.len) prefetch_row(rows.row(t + kPrefetchAhead) + d0, 16 * C);
     VecN vv[K];
+#pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
       const VecF x = load_elems(v + c * 16, masks[c]);
+#pragma GCC unroll 2
       for (int s = 0; s < kSplit; ++s) vv[c * kSplit + s] = part(x, s);
     }
+#pragma GCC unroll 32
     for (int r = 0; r < RT; ++r) {
       const VecN w = set1_n(pr[r * ldp + t]);
-      for (int k = 0; k < K; ++k) acc[r][k] = fmadd(w, vv[k], acc[r][k]);
+#pragma GCC unroll 16
+      for (int k = 0; k < K; ++k) acc[r * K + k] = fmadd(w, vv[k], acc[r * K + k]);
     }
   }
+#pragma GCC unroll 32
   for (int r = 0; r < RT; ++r) {
     const VecF inv = set1(inv_sum[r0 + r]);
     E* o = out.row(r0 + r) + d0;
-    for (int c = 0; c < C; ++c) store_elems(o + c * 16, mul(join(&acc[r][c * kSplit]), inv), masks[c]);
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      VecN parts[kSplit];
+#pragma GCC unroll 2
+      for (int s = 0; s < kSplit; ++s) parts[s] = acc[r * K + c * kSplit + s];
+      store_elems(o + c * 16, mul(join(parts), inv), masks[c]);
+    }
   }
 }
 
@@ -249,6 +266,103 @@ void accumulate_pass(int c, const VRows<E>& rows, int64_t d0, const float* p, in
   }
   accumulate_v<C>(rows, d0, p, ldp, inv_sum, R, out);
 }
+
+#if defined(PAGODA_ISA_AVX512_BF16)
+// P·V on vdpbf16ps (bf16 tensors on avx512_bf16). The weights are the softmax numerators rounded
+// to bf16, rows of pairs for the positions (pbase + 2j, pbase + 2j + 1); V rows t and t + 1 are
+// interleaved on the fly into (V[t][d], V[t + 1][d]) pairs. A pass takes C chunks of 32
+// dimensions: the unpacklo / unpackhi halves of chunk c hold d = 8k + i and 8k + 4 + i at lane
+// 4k + i, put back in order when the row is stored. poff[2j + u] is the V row offset of position
+// pbase + 2j + u (a position outside the task's [start, len) points at a row inside it: its
+// weight is zero).
+constexpr int kPairChunks = 2;
+constexpr int pair_rows_per_tile(int c) { return c == 1 ? 14 : 6; }  // 2C sums a row + 2C V pairs in 32 registers
+
+inline __mmask32 tail_mask32(int64_t left) {
+  if (left <= 0) return 0;
+  return left >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << left) - 1);
+}
+
+template <int C, int RT>
+void v_tile_pairs(const uint16_t* vc, const int64_t* poff, int64_t np, int64_t D, int64_t d0, const uint32_t* pb,
+                  int64_t ldp, const float* inv_sum, int64_t r0, const OutRows<uint16_t>& out) {
+  constexpr int K = 2 * C;
+  VecF acc[RT * K];  // flat, unrolled, address never taken: stays in registers (see v_tile)
+#pragma GCC unroll 64
+  for (int i = 0; i < RT * K; ++i) acc[i] = zero();
+  __mmask32 m32[C];
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) m32[c] = tail_mask32(D - d0 - 32 * c);
+  const uint32_t* pr = pb + r0 * ldp;
+  constexpr int64_t ahead = kPrefetchAhead / 2;  // pairs
+  for (int64_t j = 0; j < np; ++j) {
+    const uint16_t* a = vc + poff[2 * j] + d0;
+    const uint16_t* b = vc + poff[2 * j + 1] + d0;
+    if (j + ahead < np) {
+      prefetch_row(vc + poff[2 * (j + ahead)] + d0, 32 * C);
+      prefetch_row(vc + poff[2 * (j + ahead) + 1] + d0, 32 * C);
+    }
+    __m512i lo[C], hi[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m512i x = _mm512_maskz_loadu_epi16(m32[c], a + 32 * c), y = _mm512_maskz_loadu_epi16(m32[c], b + 32 * c);
+      lo[c] = _mm512_unpacklo_epi16(x, y);
+      hi[c] = _mm512_unpackhi_epi16(x, y);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; ++r) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pr[r * ldp + j]));
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        acc[r * K + 2 * c] = _mm512_dpbf16_ps(acc[r * K + 2 * c], (__m512bh)lo[c], w);
+        acc[r * K + 2 * c + 1] = _mm512_dpbf16_ps(acc[r * K + 2 * c + 1], (__m512bh)hi[c], w);
+      }
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r) {
+    const VecF inv = set1(inv_sum[r0 + r]);
+    uint16_t* o = out.row(r0 + r) + d0;
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const VecF l = acc[r * K + 2 * c], h = acc[r * K + 2 * c + 1];
+      store_bf16(o + 32 * c, mul(_mm512_permutex2var_ps(l, first, h), inv), tail_mask(D - d0 - 32 * c));
+      store_bf16(o + 32 * c + 16, mul(_mm512_permutex2var_ps(l, second, h), inv), tail_mask(D - d0 - 32 * c - 16));
+    }
+  }
+}
+
+// v_tile_pairs<C, rt> for 1 <= rt <= RT.
+template <int C, int RT>
+void v_rows_pairs(int rt, const uint16_t* vc, const int64_t* poff, int64_t np, int64_t D, int64_t d0,
+                  const uint32_t* pb, int64_t ldp, const float* inv_sum, int64_t r0, const OutRows<uint16_t>& out) {
+  if constexpr (RT > 1) {
+    if (rt < RT) return v_rows_pairs<C, RT - 1>(rt, vc, poff, np, D, d0, pb, ldp, inv_sum, r0, out);
+  }
+  v_tile_pairs<C, RT>(vc, poff, np, D, d0, pb, ldp, inv_sum, r0, out);
+}
+
+// All R rows: passes of two chunks (the whole of D = 64 per V read) while the rows fit one tile,
+// else of one chunk in tiles of up to 14 rows.
+inline void accumulate_v_pairs(const uint16_t* vc, const int64_t* poff, int64_t np, int64_t D, const uint32_t* pb,
+                               int64_t ldp, const float* inv_sum, int64_t R, const OutRows<uint16_t>& out) {
+  const int chunks = R <= pair_rows_per_tile(kPairChunks) ? kPairChunks : 1;
+  for (int64_t d0 = 0; d0 < D; d0 += 32 * chunks) {
+    const bool two = chunks == 2 && D - d0 > 32;
+    const int rt = two ? pair_rows_per_tile(2) : pair_rows_per_tile(1);
+    for (int64_t r0 = 0; r0 < R; r0 += rt) {
+      const int n = static_cast<int>(std::min<int64_t>(rt, R - r0));
+      if (two) {
+        v_rows_pairs<2, pair_rows_per_tile(2)>(n, vc, poff, np, D, d0, pb, ldp, inv_sum, r0, out);
+      } else {
+        v_rows_pairs<1, pair_rows_per_tile(1)>(n, vc, poff, np, D, d0, pb, ldp, inv_sum, r0, out);
+      }
+    }
+  }
+}
+#endif
 
 // ---- Q·K^T in register tiles ----------------------------------------------------------------
 //
@@ -344,7 +458,7 @@ constexpr bool bf16_pair_scores() {
 // slots, which saves the separate copies.
 //
 // Numerics: scores, softmax and the weighted sum of V in fp32, rounded once (bf16 E; fp32 E is
-// not rounded). A row's masked positions enter the sums as exact zeros, so without a window a
+// not rounded; bf16 E on avx512_bf16 weighs V by bf16-rounded numerators, see the top). A row's masked positions enter the sums as exact zeros, so without a window a
 // query row gives the same bits whether it is computed alone (a decode) or among the rows of a
 // verification step.
 template <typename E>
@@ -445,7 +559,22 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
     std::vector<float> kt(static_cast<size_t>(C * 16 * kPosBlock));             // K^T of one block
     std::vector<float> scores;
     std::vector<int64_t> offsets;
+    std::vector<uint16_t> weights;     // with pairs: the bf16 softmax numerators, rows of pairs
+    std::vector<int64_t> pair_offsets;  // with pairs: V row offsets from pbase on
     std::vector<float> inv_sum(static_cast<size_t>(max_rows));
+    // Memory: a task's V rows are prefetched into L2 while its K rows are read, and the K rows of
+    // the next task's first two blocks while its softmax and V pass run; each K block prefetches
+    // the next into L1 and the V pass runs kPrefetchAhead positions ahead.
+    const auto prefetch_first_keys = [&](int64_t item) {
+      const auto [b, first] = tiles[static_cast<size_t>(item / Hkv)];
+      const int64_t h = item % Hkv;
+      const int64_t pos0 = lens[b] - (qsl[b + 1] - first);
+      const int64_t len = pos0 + std::min<int64_t>(tile_rows, qsl[b + 1] - first);
+      const int64_t start = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+      const int32_t* table = tables + b * ldt;
+      for (int64_t t = start; t < std::min(len, start + 2 * kPosBlock); ++t)
+        prefetch_row<_MM_HINT_T1>(kc + ((static_cast<int64_t>(table[t / bs]) * bs + t % bs) * Hkv + h) * D, D);
+    };
     for (int64_t item = i0; item < i1; ++item) {
       const auto [b, first] = tiles[static_cast<size_t>(item / Hkv)];
       const int64_t h = item % Hkv;
@@ -482,6 +611,7 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t t0 = start; t0 < len; t0 += kPosBlock) {
         for (int64_t t = t0 + kPosBlock; t < std::min(len, t0 + 2 * kPosBlock); ++t)
           prefetch_row(kc + offsets[t - start], D);
+        for (int64_t t = t0; t < std::min(len, t0 + kPosBlock); ++t) prefetch_row<_MM_HINT_T1>(vc + offsets[t - start], D);
         // kt = K^T of positions [t0, t0 + kPosBlock) (zero rows past len): 16 x 16 blocks of fp32
         // values, or of bf16 pairs as 32-bit lanes.
         const int64_t groups = pairs ? CG : C;
@@ -513,6 +643,45 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
           }
         }
       }
+      if (item + 1 < i1) prefetch_first_keys(item + 1);
+#if defined(PAGODA_ISA_AVX512_BF16)
+      if constexpr (bf16_pair_scores<E>()) {
+        if (pairs) {
+          // Positions pair up from an even pbase (the same pairs for a row alone or in a
+          // verification step); the numerators are rounded to bf16, and their sum is the fp32 sum
+          // of the rounded values.
+          const int64_t pbase = start & ~int64_t{1}, o = start - pbase, nsp = (o + n + 1) & ~int64_t{1};
+          weights.resize(static_cast<size_t>(R * nsp));
+          pair_offsets.resize(static_cast<size_t>(nsp));
+          for (int64_t j = 0; j < nsp; ++j) pair_offsets[j] = offsets[std::clamp<int64_t>(j - o, 0, n - 1)];
+          for (int64_t r = 0; r < R; ++r) {
+            const float* s = scores.data() + r * ns;
+            uint16_t* w = weights.data() + r * nsp + o;  // w[t - start]
+            const int64_t i = r / G, valid_lo = lo(i) - start, valid_hi = i + 1 + (pos0 - start);
+            VecF mx = set1(-INFINITY);
+            for (int64_t t = valid_lo; t < valid_hi; t += 16) {
+              const Mask m = tail_mask(valid_hi - t);
+              mx = select(m, max(mx, load(s + t, m)), mx);
+            }
+            const VecF top = set1(reduce_max(mx));
+            std::fill(w - o, w + valid_lo, uint16_t{0});
+            std::fill(w + valid_hi, w - o + nsp, uint16_t{0});
+            VecF sum = zero();
+            for (int64_t t = valid_lo; t < valid_hi; t += 16) {
+              const Mask m = tail_mask(valid_hi - t);
+              const VecF e = round_bf16(exp(sub(load(s + t, m), top)));
+              store_bf16(w + t, e, m);
+              sum = add(sum, select(m, e, zero()));
+            }
+            inv_sum[r] = 1.0f / reduce_add(sum);
+          }
+          const OutRows<E> out_rows{op + (first * H + h * G) * D, G, H * D, D};
+          accumulate_v_pairs(vc, pair_offsets.data(), nsp / 2, D, reinterpret_cast<const uint32_t*>(weights.data()),
+                             nsp / 2, inv_sum.data(), R, out_rows);
+          continue;
+        }
+      }
+#endif
       // Softmax numerators in place, exact zeros outside the row's [lo, p]; the division by
       // their sum is applied to the output.
       for (int64_t r = 0; r < R; ++r) {
