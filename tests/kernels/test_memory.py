@@ -47,6 +47,17 @@ def test_small_tensors_stay_and_large_ones_start_slabs_on_huge_pages():
     assert torch.equal(memory.huge_page_copy(torch.zeros(1 << 20)), torch.zeros(1 << 20))
 
 
+def test_huge_page_empty_is_its_own_aligned_buffer():
+    buf = memory.huge_page_empty(3 << 20)
+    assert buf.dtype == torch.uint8 and buf.numel() == 3 << 20 and buf.data_ptr() % memory.HUGE_PAGE == 0
+    other = memory.huge_page_empty(5)
+    assert _span(other)[0] >= _span(buf)[1] or _span(other)[1] <= _span(buf)[0]
+    buf.fill_(7)
+    assert int(buf.sum()) == 7 * (3 << 20)
+    with pytest.raises(ValueError, match="nbytes"):
+        memory.huge_page_empty(0)
+
+
 @pytest.mark.skipif(not build.available(), reason="the CPU kernels need x86-64 with AVX2")
 def test_packers_put_large_weights_on_slabs():
     """A quantized and a bf16 packed weight over MIN_BYTES are slab pieces (page-aligned views of

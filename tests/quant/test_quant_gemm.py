@@ -60,8 +60,9 @@ def test_tiled_layout_keeps_every_byte(qtype, swiglu):
         0, 256, (n, row_bytes(qtype, k)), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
     )
     packed = cpu_quant.pack(int(qtype), raw, k, swiglu)
-    # Two tile pairs (64 rows); Q4_0's inline layout holds a pair per row, its scales among the values.
-    if qtype == GGMLType.Q4_0:
+    # Two tile pairs (64 rows). The inline layouts (the 32-value block types but Q8_0) hold a
+    # pair per row, its scales among the values: the file's bytes.
+    if qtype in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
         assert packed.values.shape[0] == 2 and packed.scales.shape == (2, 0)
         assert packed.nbytes == 2 * 32 * row_bytes(qtype, k)
     else:

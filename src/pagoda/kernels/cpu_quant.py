@@ -2,7 +2,8 @@
 kernel variants.
 
 `pack(qtype, rows, K)` repacks GGUF rows once into the kernels' tiled layout
-(`csrc/quant_layout.h`: 16 output rows interleaved per 32-value block, the scales apart; the
+(`csrc/quant_layout.h`: 16 output rows interleaved per 32-value block, the scales next to the
+values for the 32-value block types but Q8_0, apart for Q8_0 and the K-quants; the
 file's bytes, Q4_K / Q5_K's 6-bit scales widened to bytes; on huge pages, `memory.py`); `linear(x, [packed, ...])`
 quantizes x to 8 bits per block of 32 (as llama.cpp does) and sums exact integer block dot
 products, 16 output rows per instruction (`csrc/quant_gemm.cpp`: vpdpbusd with AVX512-VNNI /

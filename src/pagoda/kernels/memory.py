@@ -73,3 +73,12 @@ def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
     out = _slabs.take(nbytes).view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
+
+
+def huge_page_empty(nbytes: int) -> torch.Tensor:
+    """`nbytes` of uninitialised uint8 memory of its own (not a slab piece: freed with the tensor),
+    on huge pages where the OS gives them: a buffer read as the packed weights are (the bandwidth
+    probe)."""
+    if nbytes < 1:
+        raise ValueError(f"nbytes must be positive, got {nbytes}")
+    return _new_slab(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)[:nbytes]

@@ -17,7 +17,7 @@ from pagoda.kernels import cpu_gemm
 from pagoda.kernels.build import available, ops, status
 from pagoda.kernels.cpu_gemm import QWEN25_05B_LAYERS, QWEN25_05B_SHAPES, median_time
 from pagoda.kernels.cpu_quant import SUPPORTED, PackedQuant, dot_kind, linear, pack
-from pagoda.kernels.memory import huge_page_copy
+from pagoda.kernels.memory import huge_page_copy, huge_page_empty
 from pagoda.quant.formats import GGMLType
 from pagoda.quant.tensor import GGMLTensor
 
@@ -35,7 +35,7 @@ def _distinct(t: torch.Tensor) -> torch.Tensor:
 def read_bandwidth(clock: Callable[[], float]) -> float:
     """GB/s of the kernels' read probe (`pagoda.kernels.bandwidth`) timed by `clock`, best of 5:
     the same clock as the kernels it is the roofline of."""
-    buf = torch.ones(256 << 18, dtype=torch.float32)  # 256 MiB
+    buf = huge_page_empty(256 << 20).view(torch.float32).fill_(1.0)  # on huge pages, as the weights
     read = ops().memory_read
     read(buf)
     best = float("inf")
@@ -125,8 +125,11 @@ def bench(types: list[str], ms: list[int], rounds: int, per_shape: bool = False)
                     tq = median_time(lambda name=name: run_q(names=(name,)), rounds, clock) * scale
                     tb = median_time(lambda name=name: run_b(names=(name,)), rounds, clock) * scale
                     gmac = m * n * k * LAYERS / 1e9
+                    gb_s = quant[name].nbytes * LAYERS / tq / 1e9
+                    roof = f" = {gb_s / bandwidth:4.0%}" if bandwidth and m <= 8 else ""
                     print(
-                        f"  {name:<8} {n}x{k:<5} int {tq * 1e3:8.2f} ms ({gmac / tq:6.1f} GMAC/s)  "
+                        f"  {name:<8} {n}x{k:<5} int {tq * 1e3:8.2f} ms ({gmac / tq:6.1f} GMAC/s, "
+                        f"{gb_s:5.1f} GB/s{roof})  "
                         f"bf16 {tb * 1e3:8.2f} ms ({gmac / tb:6.1f} GMAC/s)  x{tb / tq:.2f}",
                         flush=True,
                     )
