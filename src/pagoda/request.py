@@ -62,6 +62,9 @@ class Request:
         self.skips = 0  # times passed over by the longest-prefix-match policy
         # n > 1: a sibling whose prompt KV this request copies instead of computing it again.
         self.fork_source = fork_source
+        # In-batch prefix caching: a request that computed all of this one's uncached prompt
+        # while it waited a step; it shares that prompt KV as a fork does. Set by the scheduler.
+        self.prompt_source: Request | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.grammar: GrammarMatcher | None = None  # structured-output state, advanced by the engine core

@@ -237,12 +237,52 @@ def test_fork_commits_only_text_its_requests_have_not_computed(fake: FakeBackend
     def prog(s, extra):
         s += "x" * 100 + pl.gen("a")  # the gen's request computed all of this
         s += extra
-        s.fork(2)
+        s["trunk"] = s.text()
+        forks = s.fork(2)
+        forks += "b" + pl.gen("b")
+        forks.join()
 
     prog.run("short tail", backend=fake)
     assert fake.of_kind("commit") == []  # less than MIN_COMMIT_CHARS is new: not worth a round trip
     state = prog.run("t" * MIN_COMMIT_CHARS, backend=fake)
-    assert fake.of_kind("commit") == [state.text()]
+    assert fake.of_kind("commit") == [state["trunk"]]
+
+
+def test_branches_whose_gen_prompt_is_the_trunk_send_no_commit(fake: FakeBackend) -> None:
+    # Their gens have the same prompt, which the engine computes once for all of them; branches
+    # that never send a request commit nothing either.
+    trunk = "a long shared context. " * 4
+
+    @pl.function
+    def prog(s):
+        s += trunk
+        forks = s.fork(3)
+        forks += pl.gen("x")
+        forks.join()
+        s.fork(2)
+
+    state = prog.run(backend=fake)
+    assert fake.of_kind("commit") == []
+    assert [prompt for prompt, _ in fake.of_kind("generate")] == [trunk] * 3
+    assert len(state["x"]) == 3
+
+
+def test_nested_forks_commit_the_innermost_trunk_once(fake: FakeBackend) -> None:
+    @pl.function
+    def prog(s):
+        s += "t" * MIN_COMMIT_CHARS
+        (a, b) = s.fork(2)
+        a += "u" * MIN_COMMIT_CHARS
+        inner = a.fork(2)
+        inner += "v" + pl.gen("y")
+        b += "w" + pl.gen("z")
+        inner.join()
+
+    prog.run(backend=fake)
+    assert sorted(fake.of_kind("commit")) == [
+        "t" * MIN_COMMIT_CHARS,
+        "t" * MIN_COMMIT_CHARS + "u" * MIN_COMMIT_CHARS,
+    ]
 
 
 def test_fork_of_one_and_of_nothing_do_not_commit(fake: FakeBackend) -> None:

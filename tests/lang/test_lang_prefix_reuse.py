@@ -74,6 +74,35 @@ def test_fork_computes_the_shared_prompt_once(backend, lang_server) -> None:
         assert queries - hits == computed
 
 
+@pl.function
+def same_prompt_tree(s, context, width):
+    s += context
+    forks = s.fork(width)
+    forks += pl.gen("idea", max_tokens=4, ignore_eos=True)
+    s["metas"] = [f.get_meta_info("idea") for f in forks]
+    forks.join()
+
+
+def test_fork_branches_of_the_same_prompt_compute_it_once_without_a_commit(backend, lang_server) -> None:
+    # Each branch gens right after the fork: no commit is sent; the engine has one branch compute
+    # the 512 tokens and the others share its prompt KV (all but the last token, which each
+    # computes to sample its own first token), counted as prefix-cache hits.
+    shared = text_of_tokens(backend, 512, seed=2)
+    backend.flush_cache()
+    server_before = metrics(lang_server.base_url)
+    before = backend.usage
+    state = same_prompt_tree.run(context=shared, width=8, temperature=0, backend=backend)
+    usage = backend.usage
+    assert usage.num_requests - before.num_requests == 8  # the branches' gens, no commit
+    metas = state["metas"]
+    assert sorted(m["cached_tokens"] for m in metas) == [0] + [511] * 7, metas
+    assert usage.computed_prompt_tokens - before.computed_prompt_tokens == 512 + 7
+    if isinstance(backend, pl.RuntimeEndpoint):
+        after = wait_idle(lang_server.base_url)
+        hits = after["vllm:prefix_cache_hits_total"] - server_before["vllm:prefix_cache_hits_total"]
+        assert hits == 7 * 511
+
+
 SHOTS = [
     ("the food was wonderful and the staff were kind", "positive"),
     ("cold soup, a rude waiter and a long wait", "negative"),

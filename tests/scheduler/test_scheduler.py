@@ -93,6 +93,7 @@ def test_outputs_match_reference(caching, budget, num_blocks):
     sched, kv, kvm = make(num_blocks=num_blocks, budget=budget, caching=caching)
     prompts = [[(i * 7 + j) % 50 for j in range(3 + i * 3)] for i in range(10)]
     prompts += [prompts[0] + [1, 2, 3], prompts[0][:8]]  # shared prefixes
+    prompts += [prompts[4], prompts[4], prompts[1]]  # same prompts (shared, then preempted)
     reqs = [req(f"r{i}", p, 12) for i, p in enumerate(prompts)]
     run_all(sched, kv, reqs)
     for r, p in zip(reqs, prompts, strict=True):
@@ -208,6 +209,95 @@ def test_a_short_shared_prefix_does_not_hold_requests_back():
     assert computed[0] == 3 * 38  # all admitted in the first step
     for r in reqs:
         assert r.output_token_ids == reference(r.prompt_token_ids, 2)
+
+
+def test_same_prompts_arriving_together_compute_it_once_however_short():
+    # The branches of a fork sent without a commit: identical 10-token prompts (under the 32
+    # tokens of whole blocks the block hold-back needs). One computes the prompt; the others wait
+    # a step, share its prompt KV (its partly filled last block copied) and compute only their
+    # last token, as n > 1 samples do; the shared tokens count as prefix-cache hits.
+    sched, kv, kvm = make(budget=256)
+    prompt = [(5 * j) % 50 for j in range(10)]
+    reqs = [req(f"b{i}", prompt, 4) for i in range(3)]
+    computed = _count_computed(kv)
+    run_all(sched, kv, reqs)
+    for r in reqs:
+        assert r.output_token_ids == reference(prompt, 4), r.request_id
+        assert r.prompt_source is None
+    assert [r.num_cached_tokens for r in reqs] == [0, 9, 9]
+    assert computed[:2] == [10, 1 + 2]  # the prompt; then b0's decode and b1, b2's last tokens
+    assert sum(computed) == 10 + 2 + 3 * 3
+    assert kvm.stats.hit_tokens == 18
+    kvm.reset_prefix_cache()
+    assert kvm.pool.num_free == kvm.num_blocks
+
+
+def test_a_commit_sent_with_its_branches_serves_them_its_whole_prompt():
+    # fork's commit (prompt-only) and the branches in one step: the branches wait a step and
+    # then find the finished commit's prompt cached to its last token (its tail included).
+    sched, kv, _kvm = make(budget=256)
+    prompt = [(3 * j) % 50 for j in range(14)]
+    commit = Request("c", prompt, SamplingParams(max_tokens=0), max_tokens=0)
+    branches = [req(f"b{i}", prompt, 3) for i in range(2)]
+    computed = _count_computed(kv)
+    run_all(sched, kv, [commit, *branches])
+    assert commit.finish_reason == "length"
+    for r in branches:
+        assert r.output_token_ids == reference(prompt, 3), r.request_id
+    assert [r.num_cached_tokens for r in branches] == [13, 13]
+    assert computed[0] == 14
+    assert sum(computed) == 14 + 2 * 3
+
+
+def test_a_same_prompt_arriving_later_shares_the_running_requests_prompt():
+    # b1 arrives once b0 has computed the prompt and is decoding: it takes b0's prompt KV (its
+    # partly filled block copied) and computes only its last token.
+    sched, kv, kvm = make(budget=256)
+    prompt = [(5 * j) % 50 for j in range(10)]
+    b0, b1 = req("b0", prompt, 4), req("b1", prompt, 4)
+    sched.add_request(b0)
+    first = sched.schedule()
+    sched.update_from_output(first, kv.run(first, sched))
+    sched.add_request(b1)
+    second = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in second.scheduled] == [("b0", 1), ("b1", 1)]
+    sched.update_from_output(second, kv.run(second, sched))
+    run_all(sched, kv, [])
+    assert b1.num_cached_tokens == 9
+    assert b0.output_token_ids == b1.output_token_ids == reference(prompt, 4)
+    kvm.reset_prefix_cache()
+    assert kvm.pool.num_free == kvm.num_blocks
+
+
+def test_branches_after_their_commit_start_together():
+    # The commit has finished: both branches find its prompt cached (the tail too), so neither
+    # waits for the other's recomputed last token.
+    sched, kv, _kvm = make(budget=256)
+    prompt = [(3 * j) % 50 for j in range(14)]
+    run_all(sched, kv, [Request("c", prompt, SamplingParams(max_tokens=0), max_tokens=0)])
+    branches = [req(f"b{i}", prompt, 3) for i in range(2)]
+    computed = _count_computed(kv)
+    run_all(sched, kv, branches)
+    assert computed[0] == 2
+    assert [r.num_cached_tokens for r in branches] == [13, 13]
+
+
+def test_a_request_owed_prompt_logprobs_is_not_held_for_a_same_prompt():
+    # Its scored rows must be its own: it computes them beside the other request.
+    sched, _kv, _kvm = make(budget=256)
+    prompt = [(3 * j) % 50 for j in range(10)]
+    plain = req("a", prompt, 2)
+    scored = Request(
+        "s",
+        prompt,
+        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0),
+        max_tokens=2,
+    )
+    for r in (plain, scored):
+        sched.add_request(r)
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["a", "s"]
+    assert scored.prompt_source is None
 
 
 def test_a_waiting_request_is_looked_up_once_for_hold_back_and_admission():

@@ -2,9 +2,10 @@
 of the KV cache (which blocks a request holds, whether more fit, the block table to run with).
 
 It never writes a request's `num_computed_tokens` (the scheduler does, from what this returns) and
-reads of a request only its token ids, salt, sibling, computed count and `num_cacheable_tokens`
-(how many leading tokens a lookup may serve: never the last, nor, for a request owed prompt
-logprobs, its scored positions, whose hidden states the cache does not hold).
+reads of a request only its token ids, salt, KV source (an n > 1 sibling, or the request that
+computed its prompt in-batch), computed count and `num_cacheable_tokens` (how many leading tokens
+a lookup may serve: never the last, nor, for a request owed prompt logprobs, its scored
+positions, whose hidden states the cache does not hold).
 """
 
 from __future__ import annotations
@@ -122,21 +123,23 @@ class KVCacheManager:
             node, shared = self.radix.claim(found), list(found.blocks)
         num_cached_blocks = len(shared)
         num_computed = len(shared) * bs
-        source = request.fork_source
+        source = request.fork_source or request.prompt_source
         if source is not None and num_computed < total - 1:
-            # n > 1: share the sibling's KV of all tokens but the last prompt token, which each
-            # sample recomputes to draw its own first token. Past the cached prefix these blocks
-            # are the sibling's own, so no radix lock is needed for them.
+            # n > 1 (or a request whose prompt the source computed, in-batch): share the
+            # source's KV of all tokens but the last prompt token, which each sample recomputes
+            # to draw its own first token. Past the cached prefix these blocks are the source's
+            # own, so no radix lock is needed for them.
             num_computed = total - 1
             shared = shared + self.block_ids(source.request_id)[len(shared) : -(-num_computed // bs)]
             if num_computed % bs:
-                copy_src = shared.pop()  # the sibling's partly filled block, written by it too
+                copy_src = shared.pop()  # the source's partly filled block, written by it too
         elif node is not None and num_computed < limit:
             part = self.radix.match_partial(node, request.token_ids[num_computed:limit])
             if part is not None:
                 copy_src, matched = part
                 num_computed += matched
-        num_hit = num_computed if source is None else num_cached_blocks * bs
+        # An n > 1 sample's shared prompt is the same request's, not a hit; in-batch it is.
+        num_hit = num_computed if request.fork_source is None else num_cached_blocks * bs
         num_new = min(max_new_tokens, total - num_computed)
         cow = copy_src is not None
         if cow:

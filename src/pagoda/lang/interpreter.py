@@ -6,13 +6,18 @@ once on the program's own thread (`s += pl.gen(...)` returns when the gen is don
 `s.fork(k)` run theirs on a thread each, in order, so the k branches' requests are in the engine
 together; reading a branch (`f["x"]`, `f.text()`) waits for what was appended to it before.
 
-`fork` first commits the text so far (the backend computes it once, see backend/base.py), so every
-branch's first request starts from a prefix-cache hit instead of k requests computing it at once.
-`select` does not: its choices go to the engine as one batch, whose scheduler has one of them
-compute the shared prompt while the others wait a step (in-batch prefix caching).
-An executor tracks how much of its text its last request already put in the cache (the prompt and
-output of a gen); when less than MIN_COMMIT_CHARS is new since then there is nothing worth a
-round trip, and the commit is skipped.
+`fork` shares the text so far (the trunk) between the branches lazily. A branch whose first
+request is a gen of exactly the trunk sends it at once: the k branches' gens then have the same
+prompt, and the engine computes it once (its scheduler has the others share that request's
+prompt KV: in-batch prefix caching), so no commit and no extra round trip is needed. Any other
+first request (the branch appended text, or selects) waits for the trunk's commit (the backend
+computes it once, see backend/base.py), which the first such branch sends and the others wait
+for, so that every branch's request starts from a prefix-cache hit instead of k requests
+computing the trunk at once. `select` itself does not commit: its choices go to the engine as
+one batch, whose scheduler has one of them compute the shared prompt while the others wait a
+step. An executor tracks how much of its text its last request already put in the cache (the
+prompt and output of a gen); when less than MIN_COMMIT_CHARS is new since then there is nothing
+worth a round trip, and there is no trunk to commit.
 """
 
 from __future__ import annotations
@@ -41,6 +46,22 @@ MIN_COMMIT_CHARS = 64
 
 class _StopTrace(Exception):
     """Raised while tracing a program's prefix at its first model call."""
+
+
+class _Trunk:
+    """A fork's shared text, committed once by the first branch whose first request needs it."""
+
+    def __init__(self, backend: Backend, text: str) -> None:
+        self.backend = backend
+        self.text = text
+        self._lock = threading.Lock()
+        self._done = False
+
+    def commit(self) -> None:
+        with self._lock:  # the other branches wait here for the first one's commit
+            if not self._done:
+                self.backend.commit(self.text)
+                self._done = True
 
 
 class _Run:
@@ -103,6 +124,8 @@ class _Executor:
         self.fork_start = len(self.text)
         # text[:cached_upto] is what this state's requests so far have computed (and so cached)
         self.cached_upto = 0 if parent is None else parent.cached_upto
+        # The fork's trunk, until this branch's first request (which commits it, or needs not).
+        self.trunk: _Trunk | None = None
         self.error: BaseException | None = None
         self.pending: Counter[str] = Counter()  # queued gens/selects per variable name (threaded)
         self.streaming: str | None = None  # the variable a streamed gen is writing
@@ -169,9 +192,14 @@ class _Executor:
         if self.run.tracing:
             raise _StopTrace
         self.sync()
-        if size > 1:
-            self._commit()
-        return [_Executor(self.run, threaded=True, parent=self) for _ in range(size)]
+        trunk = None
+        if size > 1 and len(self.text) - self.cached_upto >= MIN_COMMIT_CHARS:
+            trunk = _Trunk(self.backend, self.text)
+        branches = [_Executor(self.run, threaded=True, parent=self) for _ in range(size)]
+        for branch in branches:
+            # A trunk this state was still to commit is part of the new one.
+            branch.trunk = trunk or self.trunk
+        return branches
 
     def end(self) -> None:
         """No more expressions: wait for the queued ones and stop the branch's thread."""
@@ -278,13 +306,14 @@ class _Executor:
             self.text += text
             self.cond.notify_all()
 
-    def _commit(self) -> bool:
-        """Commit the text unless little of it is new since this state's last request."""
-        if len(self.text) - self.cached_upto < MIN_COMMIT_CHARS:
-            return False
-        self.backend.commit(self.text)
-        self.cached_upto = len(self.text)
-        return True
+    def _settle_trunk(self, prompt_is_trunk: bool) -> None:
+        """Before this state's first request: commit the fork's trunk unless that request is a
+        gen of exactly the trunk (the engine shares same prompts sent together)."""
+        trunk, self.trunk = self.trunk, None
+        if trunk is None or prompt_is_trunk:
+            return
+        trunk.commit()
+        self.cached_upto = max(self.cached_upto, len(trunk.text))
 
     def _set_result(self, name: str | None, value: str, meta: Any) -> None:
         with self.cond:
@@ -302,6 +331,7 @@ class _Executor:
         if not self.text:
             raise ValueError(f"pl.gen({expr.name!r}) has no prompt: the program's text is empty")
         prompt = self.text
+        self._settle_trunk(self.trunk is not None and prompt == self.trunk.text)
         if not self.run.stream:
             out = self.backend.generate(prompt, params)
             self._append(out.text)
@@ -336,6 +366,7 @@ class _Executor:
         if not self.text:
             raise ValueError(f"pl.select({expr.name!r}) has no prompt: the program's text is empty")
         self.backend.check_prompt_logprobs()  # before any request
+        self._settle_trunk(False)
         # No commit first: the choices' requests go to the engine together, and its scheduler
         # lets one compute their shared uncached prompt while the others wait a step for it.
         decision = select_impl.select(self.backend, self.text, list(expr.choices), expr.choices_method)

@@ -1,7 +1,8 @@
 """Token-budget scheduler: running requests first, then waiting ones; chunked prefill; recompute
 preemption. One rule for everything: each step, num_computed_tokens catches up with num_tokens as
 far as the token budget, max_num_seqs and the KV pool allow (a waiting request whose next
-prompt blocks others compute in this step waits for them: in-batch prefix caching).
+prompt blocks, or whose whole uncached prompt, others compute in this step waits for them:
+in-batch prefix caching).
 
 The scheduler is the only writer of a request's `num_computed_tokens` and status; the KV manager
 owns its blocks (the scheduler sees them only as the block table it hands the runner)."""
@@ -23,12 +24,28 @@ _LPM_MAX_QUEUE = 128
 # In-batch prefix caching (as SGLang's): a waiting request whose next this many uncached prompt
 # tokens (rounded up to whole blocks) are all computed by other requests in this step waits a
 # step, then finds them cached, instead of computing them side by side.
+# Same prompts, however short (the branches of a fork sent together): a waiting request whose
+# prompt a running request has too shares that request's prompt KV as an n > 1 sample shares
+# its sibling's (the partly filled last block copied), at once if it is computed, after a step
+# if that request computes it in this one.
 IN_BATCH_MIN_SHARED_TOKENS = 32
 
 # A block a step computes, as the key a waiting request sharing it would look up: the cache salt,
 # the block's start, and its tokens with the block's before them (two requests with equal keys but
 # different earlier tokens are possible, and harmless: one of them waits a step for nothing).
 _BlockKey = tuple
+
+
+@dataclass
+class _InBatch:
+    """What this step computes, for the waiting requests' hold-back: the keys of the whole prompt
+    blocks, and how far into its prompt each request computing prompt tokens gets."""
+
+    blocks: set[_BlockKey]
+    prompt_ends: dict[str, int]  # request id -> prompt tokens computed after this step
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks)
 
 
 @dataclass
@@ -49,10 +66,16 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        # Same prompts: each request's prompt key (cache salt, length, hash of the tokens), and a
+        # running request for each key, whose prompt KV a waiting request with that prompt shares.
+        self._prompt_keys: dict[str, tuple] = {}
+        self._running_prompts: dict[tuple, Request] = {}
 
     # ---- queue management ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        n = request.num_prompt_tokens
+        self._prompt_keys[request.request_id] = (request.cache_salt, n, hash(tuple(request.token_ids[:n])))
         self.waiting.append(request)
 
     def finish_requests(
@@ -107,7 +130,7 @@ class Scheduler:
             break
 
         if not out.preempted and self.waiting:
-            computing: set[_BlockKey] = set()
+            computing = _InBatch(set(), {})
             for s in out.scheduled:
                 self._note_computing(computing, s.request, s.num_new_tokens)
             self._schedule_waiting(out, budget, scheduled_ids, computing)
@@ -118,7 +141,7 @@ class Scheduler:
         return out
 
     def _schedule_waiting(
-        self, out: SchedulerOutput, budget: int, scheduled_ids: set[str], computing: set[_BlockKey]
+        self, out: SchedulerOutput, budget: int, scheduled_ids: set[str], computing: _InBatch
     ) -> None:
         queue = self._waiting_order()
         started: list[Request] = []
@@ -132,9 +155,15 @@ class Scheduler:
                     req.fork_source = None
                 elif src.status is not RequestStatus.RUNNING or src.num_computed_tokens < req.num_tokens - 1:
                     continue  # n > 1: wait until the sibling has computed the shared prompt
-            elif computing:
+            else:
+                src = req.prompt_source = self._same_prompt(req)
+                if src is not None and src.num_computed_tokens < req.num_tokens - 1:
+                    if computing.prompt_ends.get(src.request_id, 0) >= req.num_tokens - 1:
+                        continue  # it computes the prompt in this step: share it after
+                    src = req.prompt_source = None
+            if src is None and computing:
                 found = self.kv.lookup(req)
-                if self._held_back(req, found.num_blocks * self.kv.block_size, computing):
+                if self._held_back(req, found.num_blocks * self.kv.block_size, computing.blocks):
                     # In-batch prefix caching: others compute this one's next prompt blocks in
                     # this step, so it waits a step and then finds them in the cache.
                     continue
@@ -145,9 +174,10 @@ class Scheduler:
             req.num_computed_tokens = alloc.num_computed
             if req.num_cached_tokens < 0:  # first admission (not a resume after preemption)
                 req.num_cached_tokens = alloc.num_computed
-            req.fork_source = None
+            req.fork_source = req.prompt_source = None
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._running_prompts.setdefault(self._prompt_keys[req.request_id], req)
             started.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_ids(req.request_id)))
             scheduled_ids.add(req.request_id)
@@ -161,16 +191,34 @@ class Scheduler:
                 if req.arrival_time < last_arrival:
                     req.skips += 1
 
-    def _note_computing(self, computing: set[_BlockKey], req: Request, num_new: int) -> None:
-        """Add the keys of the whole prompt blocks that `req` computes (part of) this step."""
+    def _note_computing(self, computing: _InBatch, req: Request, num_new: int) -> None:
+        """Note the whole prompt blocks that `req` computes (part of) this step, and how far into
+        its prompt it gets."""
         if self.kv.radix is None:
             return
         bs = self.kv.block_size
         start = req.num_computed_tokens
         end = min(start + num_new, req.num_prompt_tokens)
+        if end <= start:
+            return
         for b in range(start // bs, -(-end // bs)):
             if (b + 1) * bs <= req.num_prompt_tokens:
-                computing.add(self._block_key(req, b * bs, bs))
+                computing.blocks.add(self._block_key(req, b * bs, bs))
+        computing.prompt_ends[req.request_id] = end
+
+    def _same_prompt(self, req: Request) -> Request | None:
+        """A running request with the same prompt (and cache salt), whose prompt KV this one can
+        share: None if there is none, or if this one is owed prompt logprobs (it computes its
+        scored rows itself) or resumes after a preemption."""
+        if self.kv.radix is None or req.num_tokens != req.num_prompt_tokens:
+            return None
+        if req.num_cacheable_tokens != req.num_tokens - 1:
+            return None
+        other = self._running_prompts.get(self._prompt_keys[req.request_id])
+        n = req.num_prompt_tokens
+        if other is None or other.token_ids[:n] != req.token_ids[:n]:
+            return None
+        return other
 
     def _held_back(self, req: Request, cached: int, computing: set[_BlockKey]) -> bool:
         """Whether the blocks after the request's `cached` tokens (its cached whole blocks),
@@ -260,6 +308,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self._drop_drafts(req)
         self._release(req)
+        self._stop_sharing(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -267,9 +316,17 @@ class Scheduler:
 
     def _finish(self, req: Request) -> None:
         self._release(req)
+        self._stop_sharing(req)
         req.status = RequestStatus.FINISHED
         self.stats.num_finished += 1
         del self.requests[req.request_id]
+        del self._prompt_keys[req.request_id]
+
+    def _stop_sharing(self, req: Request) -> None:
+        """The request holds no KV now: no waiting request may share its prompt's."""
+        key = self._prompt_keys[req.request_id]
+        if self._running_prompts.get(key) is req:
+            del self._running_prompts[key]
 
     def check(self) -> None:
         """Invariants: block accounting, and only running requests hold KV blocks."""

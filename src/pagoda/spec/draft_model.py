@@ -64,6 +64,7 @@ class _DraftSeq:
     num_verified: int  # the leading token_ids the target verified: only these are ever cached
     num_computed_tokens: int = 0
     fork_source: None = None
+    prompt_source: None = None
 
     @property
     def num_tokens(self) -> int:
