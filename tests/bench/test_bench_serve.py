@@ -8,15 +8,13 @@ import asyncio
 import json
 import math
 import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from inproc_server import serve_in_thread
 from pagoda.bench import cli
 from pagoda.bench.datasets import DATASET_NAMES, BenchRequest, DatasetConfig, load_tokenizer, sample_requests
 from pagoda.bench.serve import ServeConfig, normalize_base_url, resolve_model, run_benchmark, write_json
@@ -36,33 +34,17 @@ class FakeServer:
         self.send_usage = True
         self.bodies: list[dict] = []
         self.auth_headers: list[str | None] = []
-        app = FastAPI()
-        app.get("/v1/models")(self._models)
-        app.post("/v1/completions")(self._completions)
-        app.post("/v1/chat/completions")(self._chat)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self._thread.start()
-        for _ in range(200):
-            if self._server.started:
-                break
-            time.sleep(0.05)
-        else:
-            raise RuntimeError("fake server did not start")
+        self.url = ""  # set once it serves (the fake_server fixture)
+        self.app = FastAPI()
+        self.app.get("/v1/models")(self._models)
+        self.app.post("/v1/completions")(self._completions)
+        self.app.post("/v1/chat/completions")(self._chat)
 
     def reset(self) -> None:
         self.token_delay_s = 0.001
         self.send_usage = True
         self.bodies.clear()
         self.auth_headers.clear()
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
 
     async def _models(self) -> dict:
         return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
@@ -117,8 +99,9 @@ class FakeServer:
 @pytest.fixture(scope="module")
 def fake_server():
     server = FakeServer()
-    yield server
-    server.stop()
+    with serve_in_thread(server.app, log_level="critical", lifespan="off") as url:
+        server.url = url
+        yield server
 
 
 @pytest.fixture
