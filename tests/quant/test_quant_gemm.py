@@ -262,3 +262,58 @@ def test_native_row_dequantize_is_the_reference(variant, qtype, swiglu):
         expected = gguf.quants.dequantize(raw[index].numpy(), gguf.GGMLQuantizationType(int(qtype)))
     assert got.dtype == torch.float32 and got.shape == (len(index), k)
     assert got.numpy().view("uint32").tolist() == expected.astype("float32").view("uint32").tolist()
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows, blocks", [(1, 1), (3, 15), (2, 16), (5, 17), (4, 33), (33, 28)])
+def test_activation_quantization_is_exact(variant, dtype, rows, blocks):
+    """The 8-bit activations, 16 blocks of a row at a time and a partial last group: exactly
+    d = max|x| / 127, q = round-half-even(x * (1 / d)) (0 where d is 0) and the block sums, in
+    float32 as the formula reads; zero blocks and values at half steps included."""
+    gen = torch.Generator().manual_seed(rows * 100 + blocks)
+    k = 32 * blocks
+    x = (torch.randn(rows, k, generator=gen) * torch.logspace(-3, 3, k)).to(dtype)
+    x[0, :32] = 0.0
+    if blocks > 1:  # a block at exact half steps: 127 and values (n + 0.5) * d
+        x[-1, 32:64] = torch.tensor([127.0] + [n + 0.5 for n in range(-15, 16)]).to(dtype)
+    with build.use_variant(variant):
+        q, d, s = cpu_quant.quantize_activations(x)
+    xf = x.float().reshape(rows, blocks, 32)
+    amax = xf.abs().amax(-1)
+    d_ref = amax / 127.0
+    inv = torch.where(d_ref != 0, 1.0 / d_ref, torch.zeros_like(d_ref))
+    q_ref = torch.round(xf * inv.unsqueeze(-1))  # round half to even
+    assert torch.equal(d, d_ref)
+    assert torch.equal(q.float(), q_ref.reshape(rows, k))
+    assert torch.equal(s, q_ref.sum(-1).int())
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("rows", [1, 2, 31, 32, 33, 37, 215, 217, 433])
+def test_split_over_threads_gives_the_same_bits(variant, rows):
+    """Row groups (216 rows at K = 896: near-equal groups around that boundary) and tile pairs
+    shared out over 1, 2 and 3 threads, segments of different sizes (q / k / v) and a SwiGLU
+    weight: the same bits at every thread count, and each row's as when it runs alone."""
+    gen = torch.Generator().manual_seed(rows)
+    k = 896
+    parts = [GGMLTensor.quantize(torch.randn(n, k, generator=gen), GGMLType.Q8_0) for n in (96, 32, 32)]
+    gate_up = GGMLTensor.quantize(torch.randn(2 * 80, k, generator=gen), GGMLType.Q8_0)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        with build.use_variant(variant):
+            packed = [cpu_quant.pack(int(t.qtype), t.data, k) for t in parts]
+            swiglu = cpu_quant.pack(int(gate_up.qtype), gate_up.data, k, swiglu=True)
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                results.append((cpu_quant.linear(x, packed), cpu_quant.linear(x, [swiglu])))
+            alone = cpu_quant.linear(x[-1:], packed)
+    finally:
+        torch.set_num_threads(threads)
+    for plain, fused in results[1:]:
+        assert torch.equal(plain, results[0][0]) and torch.equal(fused, results[0][1])
+    assert torch.equal(alone, results[0][0][-1:])
