@@ -364,6 +364,16 @@ inline void accumulate_v_pairs(const uint16_t* vc, const int64_t* poff, int64_t 
 }
 #endif
 
+// The largest score of s[lo, hi), in every lane (a softmax row's shift).
+inline VecF row_max(const float* s, int64_t lo, int64_t hi) {
+  VecF mx = set1(-INFINITY);
+  for (int64_t t = lo; t < hi; t += 16) {
+    const Mask m = tail_mask(hi - t);
+    mx = select(m, max(mx, load(s + t, m)), mx);
+  }
+  return set1(reduce_max(mx));
+}
+
 // ---- Q·K^T in register tiles ----------------------------------------------------------------
 //
 // The K rows of kPosBlock positions are transposed once into kt [d][kPosBlock] (positions in
@@ -658,12 +668,7 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
             const float* s = scores.data() + r * ns;
             uint16_t* w = weights.data() + r * nsp + o;  // w[t - start]
             const int64_t i = r / G, valid_lo = lo(i) - start, valid_hi = i + 1 + (pos0 - start);
-            VecF mx = set1(-INFINITY);
-            for (int64_t t = valid_lo; t < valid_hi; t += 16) {
-              const Mask m = tail_mask(valid_hi - t);
-              mx = select(m, max(mx, load(s + t, m)), mx);
-            }
-            const VecF top = set1(reduce_max(mx));
+            const VecF top = row_max(s, valid_lo, valid_hi);
             std::fill(w - o, w + valid_lo, uint16_t{0});
             std::fill(w + valid_hi, w - o + nsp, uint16_t{0});
             VecF sum = zero();
@@ -687,12 +692,7 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t r = 0; r < R; ++r) {
         float* s = scores.data() + r * ns;
         const int64_t i = r / G, valid_lo = lo(i) - start, valid_hi = i + 1 + (pos0 - start);
-        VecF mx = set1(-INFINITY);
-        for (int64_t t = valid_lo; t < valid_hi; t += 16) {
-          const Mask m = tail_mask(valid_hi - t);
-          mx = select(m, max(mx, load(s + t, m)), mx);
-        }
-        const VecF top = set1(reduce_max(mx));
+        const VecF top = row_max(s, valid_lo, valid_hi);
         std::fill(s, s + valid_lo, 0.0f);
         std::fill(s + valid_hi, s + n, 0.0f);
         VecF sum = zero();

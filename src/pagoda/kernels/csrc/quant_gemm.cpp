@@ -279,14 +279,9 @@ PAGODA_INLINE VecF load16(const T* p) {
   }
 }
 
-// Lane i of the result is the largest of the 16 lanes of v[i] (transpose_sum16's tree with max).
+// Lane i of the result is the largest of the 16 lanes of v[i].
 PAGODA_INLINE VecF transpose_max16(const VecF v[16]) {
-  VecF a[8], b[4];
-  for (int i = 0; i < 8; ++i) a[i] = max(unpacklo(v[2 * i], v[2 * i + 1]), unpackhi(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) b[i] = max(unpacklo64(a[2 * i], a[2 * i + 1]), unpackhi64(a[2 * i], a[2 * i + 1]));
-  const VecF m01 = max(even_blocks(b[0], b[1]), odd_blocks(b[0], b[1]));
-  const VecF m23 = max(even_blocks(b[2], b[3]), odd_blocks(b[2], b[3]));
-  return max(even_blocks(m01, m23), odd_blocks(m01, m23));
+  return transpose_reduce16(v, [](VecF x, VecF y) { return max(x, y); });
 }
 
 constexpr int kQuantBlocks = 16;  // blocks of a row quantized together (one lane each)

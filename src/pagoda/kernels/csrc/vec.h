@@ -327,17 +327,23 @@ inline float reduce_max(VecF v) {
   return _mm_cvtss_f32(_mm_max_ss(c, _mm_movehdup_ps(c)));
 }
 
-// Lane i of the result is the sum of the 16 lanes of v[i] (a transpose-and-add tree: one vector
-// of 16 dot products without a horizontal reduction each).
-inline VecF transpose_sum16(const VecF v[16]) {
+// Lane i of the result is op over the 16 lanes of v[i] (a transpose-and-reduce tree: one vector
+// of 16 reductions without a horizontal one each). op is add or max.
+template <typename Op>
+inline VecF transpose_reduce16(const VecF v[16], Op op) {
   VecF a[8], b[4];
-  for (int i = 0; i < 8; ++i) a[i] = add(unpacklo(v[2 * i], v[2 * i + 1]), unpackhi(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) b[i] = add(unpacklo64(a[2 * i], a[2 * i + 1]), unpackhi64(a[2 * i], a[2 * i + 1]));
-  // Block k of b[i] now holds, at position j, block k's partial sum of v[4i + j]; add the four
-  // blocks of each b[i] together and place them as lanes 4i .. 4i + 3.
-  const VecF s01 = add(even_blocks(b[0], b[1]), odd_blocks(b[0], b[1]));
-  const VecF s23 = add(even_blocks(b[2], b[3]), odd_blocks(b[2], b[3]));
-  return add(even_blocks(s01, s23), odd_blocks(s01, s23));
+  for (int i = 0; i < 8; ++i) a[i] = op(unpacklo(v[2 * i], v[2 * i + 1]), unpackhi(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) b[i] = op(unpacklo64(a[2 * i], a[2 * i + 1]), unpackhi64(a[2 * i], a[2 * i + 1]));
+  // Block k of b[i] now holds, at position j, block k's partial result of v[4i + j]; reduce the
+  // four blocks of each b[i] together and place them as lanes 4i .. 4i + 3.
+  const VecF s01 = op(even_blocks(b[0], b[1]), odd_blocks(b[0], b[1]));
+  const VecF s23 = op(even_blocks(b[2], b[3]), odd_blocks(b[2], b[3]));
+  return op(even_blocks(s01, s23), odd_blocks(s01, s23));
+}
+
+// Lane i of the result is the sum of the 16 lanes of v[i].
+inline VecF transpose_sum16(const VecF v[16]) {
+  return transpose_reduce16(v, [](VecF x, VecF y) { return add(x, y); });
 }
 
 // Transposes the 16 x 16 block whose row j is v[j] in place (lane i of v[j] moves to lane j of
