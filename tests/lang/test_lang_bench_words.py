@@ -49,3 +49,15 @@ def test_tokenize_all_keeps_order() -> None:
     texts = [f"text {i}" * (i % 5) for i in range(40)]
     tok = FakeTokenizer()
     assert bench.tokenize_all(tok, texts) == [tok.tokenize(t) for t in texts]
+
+
+def test_vocab_words_make_the_choices_one_token_each() -> None:
+    """build_random_model(merge_words=VOCAB_WORDS): select's default choices are one token each
+    after the bench's prompt (the byte-level default splits them 3, 3, 6 and 7)."""
+    from pagoda.models.synthetic import build_byte_level_tokenizer
+
+    tokenizer = build_byte_level_tokenizer(bench.VOCAB_WORDS)
+    base = len(tokenizer("\nAnswer:")["input_ids"])
+    assert [len(tokenizer("\nAnswer:" + c)["input_ids"]) - base for c in bench.CHOICES] == [1, 1, 1, 1]
+    default = build_byte_level_tokenizer()
+    assert [len(default("\nAnswer:" + c)["input_ids"]) - base for c in bench.CHOICES] != [1, 1, 1, 1]

@@ -45,9 +45,14 @@ def tokenize_prompt(
         token_ids = list(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
-        for t in token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-                raise ValueError(f"prompt token id {t!r} is not an integer in [0, {vocab_size})")
+        # One pass over the types and min / max for the common case (a select's long prompts
+        # come several times a request); the slow loop only to name a bad id.
+        if not (
+            all(type(t) is int for t in token_ids) and min(token_ids) >= 0 and max(token_ids) < vocab_size
+        ):
+            for t in token_ids:
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                    raise ValueError(f"prompt token id {t!r} is not an integer in [0, {vocab_size})")
     else:
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     if not token_ids:

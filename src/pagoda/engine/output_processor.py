@@ -67,6 +67,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (`_decoded`)
         self.groups: dict[str, RequestGroup] = {}
         self._child: dict[str, tuple[RequestGroup, int]] = {}
         self._touched: dict[str, RequestGroup] = {}
@@ -244,10 +245,14 @@ class OutputProcessor:
         )
 
     def _decoded(self, entries: PromptLogprobs) -> PromptLogprobs:
-        """Fill each Logprob's decoded_token (the token's text, as vLLM reports it)."""
-        ids = sorted({t for e in entries if e is not None for t in e})
-        texts = dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids]), strict=True))
-        for e in entries:
-            for t, lp in (e or {}).items():
+        """Fill each Logprob's decoded_token (the token's text, as vLLM reports it). Token texts
+        are kept (at most one per vocabulary entry): a select's requests score the same few."""
+        texts = self._token_texts
+        scored = [e for e in entries if e is not None]
+        new = sorted({t for e in scored for t in e if t not in texts})
+        if new:
+            texts.update(zip(new, self.tokenizer.batch_decode([[t] for t in new]), strict=True))
+        for e in scored:
+            for t, lp in e.items():
                 lp.decoded_token = texts[t]
         return entries

@@ -8,6 +8,7 @@ special tokens and chat template, all written by transformers / tokenizers thems
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,14 @@ _MERGE_WORDS = (
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_byte_level_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer: 256 byte tokens, a few merges, ChatML specials and template."""
+def build_byte_level_tokenizer(merge_words: Sequence[str] = ()) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer: 256 byte tokens, a few merges, ChatML specials and template.
+    `merge_words` get merges too, so that each becomes one token (as a real BPE vocabulary makes
+    common words: e.g. a benchmark's own words, with their leading space)."""
     to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     vocab = {char: index for index, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     merges: list[tuple[str, str]] = []
-    for word in _MERGE_WORDS:
+    for word in (*_MERGE_WORDS, *merge_words):
         ((spelled, _),) = to_bytes.pre_tokenize_str(word)
         prefix = spelled[0]
         for char in spelled[1:]:
@@ -84,6 +87,7 @@ def build_random_model(
     dtype: torch.dtype | str,
     shards: int = 1,
     seed: int = 0,
+    merge_words: Sequence[str] = (),
     **extra_config: Any,
 ) -> str:
     """Write a random-weight checkpoint of `architecture` to `out_dir`; returns the folder path.
@@ -91,7 +95,8 @@ def build_random_model(
     Weights come from transformers' own initialization under `seed`; norm weights and biases
     (which transformers initializes to ones and zeros) are randomized too, so that loading
     mistakes change the logits. `extra_config` goes to the HF config class (e.g. `head_dim`,
-    `rope_parameters`, `initializer_range`, `max_position_embeddings`).
+    `rope_parameters`, `initializer_range`, `max_position_embeddings`). `merge_words`: words the
+    tokenizer makes one token each (build_byte_level_tokenizer).
     """
     if architecture not in supported_architectures():
         raise ValueError(
@@ -106,7 +111,7 @@ def build_random_model(
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
 
-    tokenizer = build_byte_level_tokenizer()
+    tokenizer = build_byte_level_tokenizer(merge_words)
     if vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size ({vocab_size}) is smaller than the tokenizer's {len(tokenizer)} tokens")
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)

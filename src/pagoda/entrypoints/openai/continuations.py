@@ -28,6 +28,7 @@ from pagoda.entrypoints.openai.protocol import CompletionRequest
 from pagoda.entrypoints.openai.serving_common import ServerState, collect
 from pagoda.outputs import Logprob, PromptLogprobs
 from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer.continuation import HeadTokenizer
 from pagoda.tokenizer.spans import shared_lead, span_start
 
 
@@ -39,10 +40,14 @@ class Spans:
     shared: list[int] | None
 
 
-def find_spans(state: ServerState, prompts: list[str], prompt_ids: list[list[int]], chars: int) -> Spans:
-    """Where each prompt's scored span starts (blocking: the tokenizer thread's)."""
+def find_spans(
+    state: ServerState, prompts: list[str], prompt_ids: list[list[int]], chars: int, head: HeadTokenizer
+) -> Spans:
+    """Where each prompt's scored span starts (blocking: the tokenizer thread's). `head`: the
+    first prompt's leading text and its ids."""
     tokenizer = state.engine.tokenizer
-    contexts: dict[str, list[int]] = {}  # one tokenization per distinct leading text
+    # one tokenization per distinct leading text
+    contexts: dict[str, list[int]] = {head.head: head.head_ids if head.head else []}
     starts = []
     for text, ids in zip(prompts, prompt_ids, strict=True):
         if len(ids) < 2:
@@ -50,10 +55,10 @@ def find_spans(state: ServerState, prompts: list[str], prompt_ids: list[list[int
                 "logprob_start_char needs prompts of two tokens or more (the first has no logprob)",
                 param="logprob_start_char",
             )
-        head = text[:chars]
-        context = contexts.get(head)
+        lead = text[:chars]
+        context = contexts.get(lead)
         if context is None:
-            context = contexts[head] = list(tokenizer(head)["input_ids"]) if head else []
+            context = contexts[lead] = list(tokenizer(lead)["input_ids"]) if lead else []
         starts.append(span_start(context, ids))
     shared = None
     if len(contexts) == 1:

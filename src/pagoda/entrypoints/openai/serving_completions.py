@@ -40,6 +40,7 @@ from pagoda.entrypoints.openai.serving_common import (
 from pagoda.limits import LimitError
 from pagoda.outputs import Logprob
 from pagoda.sampling_params import SamplingParams
+from pagoda.tokenizer.continuation import HeadTokenizer
 
 
 @dataclass
@@ -67,14 +68,16 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         state.limits.check_params(params, constraint_field(body))
     except (ParamError, LimitError) as exc:
         raise param_error(exc) from None
-    prompt_ids, echoes = await state.off_loop(lambda: _prepare(state, prompts, params, bool(body.echo)))
+    chars = body.logprob_start_char
+    prompt_ids, echoes, head = await state.off_loop(
+        lambda: _prepare(state, prompts, params, bool(body.echo), chars)
+    )
     base_id = new_id("cmpl")
     request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
     starts: list[int] | None = None
-    if body.logprob_start_char is not None:
-        chars = body.logprob_start_char
+    if chars is not None and head is not None:
         texts = [str(p) for p in prompts]  # body.check() refused token-id prompts
-        spans = await state.off_loop(lambda: continuations.find_spans(state, texts, prompt_ids, chars))
+        spans = await state.off_loop(lambda: continuations.find_spans(state, texts, prompt_ids, chars, head))
         if spans.shared is not None and continuations.one_pass(body, params, spans):
             return await _scored_in_one_pass(state, body, raw, model, base_id, request_ids, prompt_ids, spans)
         starts = spans.starts
@@ -167,15 +170,25 @@ async def _scored_in_one_pass(
 
 
 def _prepare(
-    state: ServerState, prompts: list[str | list[int]], params: SamplingParams, echo: bool
-) -> tuple[list[list[int]], list[str]]:
-    """The prompts' validated token ids and the texts to echo (blocking: the tokenizer thread's)."""
-    prompt_ids = [state.tokenize(p) for p in prompts]
+    state: ServerState,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    echo: bool,
+    logprob_start_char: int | None = None,
+) -> tuple[list[list[int]], list[str], HeadTokenizer | None]:
+    """The prompts' validated token ids and the texts to echo (blocking: the tokenizer thread's).
+    With logprob_start_char, the first prompt's first N characters are tokenized once, and so is
+    every prompt that continues them where the tokenizer allows (spliced onto their ids, the ids
+    of a whole tokenization): that head comes back too."""
+    head = None
+    if logprob_start_char is not None:
+        head = HeadTokenizer(state.engine.tokenizer, str(prompts[0])[:logprob_start_char])
+    prompt_ids = [state.tokenize(p, tokenizer=head) for p in prompts]
     for ids in prompt_ids:
         state.check_length(len(ids), params)
     check_logprob_start(params, prompt_ids)
     echoes = [(p if isinstance(p, str) else state.decode(p)) if echo else "" for p in prompts]
-    return prompt_ids, echoes
+    return prompt_ids, echoes, head
 
 
 async def _stream(

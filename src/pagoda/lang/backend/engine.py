@@ -19,6 +19,7 @@ from pagoda import LLM, CompletionOutput, RequestOutput, SamplingParams
 from pagoda.engine.async_engine import AsyncLLM, EngineDeadError
 from pagoda.lang.backend.base import Backend, ChoiceScore, GenOutput, choice_scores
 from pagoda.lang.errors import BackendRequestError
+from pagoda.tokenizer.continuation import HeadTokenizer
 from pagoda.tokenizer.spans import choice_spans, shared_lead
 
 _PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -134,8 +135,9 @@ class Engine(Backend):
         (that token itself is never computed: its KV and logits are not needed). The server's
         logprob_start_char scoring does the same."""
         self.check_prompt_logprobs()
-        prompt_ids = self.tokenize(prompt)
-        full = [self.tokenize(prompt + choice) for choice in choices]
+        head = HeadTokenizer(self.tokenizer, prompt)  # the prompt tokenized once, where exact
+        prompt_ids = head.head_ids
+        full = [head.ids(prompt + choice) for choice in choices]
         starts = choice_spans(prompt_ids, full)
         s = len(prompt_ids)
         if any(start != s or ids[:s] != prompt_ids for ids, start in zip(full, starts, strict=True)):
