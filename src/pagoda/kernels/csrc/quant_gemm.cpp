@@ -11,8 +11,9 @@
 // minimum (Q4_1, Q5_1, Q4_K, Q5_K) as an fp32 term, and per block the scales as vectors:
 // acc += cvt(int sum) * (weight scales x activation scale).
 //
-// Work: MR activation rows x a pair of tiles (32 output rows) per micro-kernel call, all of K in
-// registers. Few rows (decode) stream every weight byte once, split evenly over the threads;
+// Work: MR activation rows x one tile or both tiles of a pair (16 or 32 output rows,
+// `tiles_per_call`) per micro-kernel call, all of K in registers. Few rows (decode) stream every
+// weight byte once, split evenly over the threads;
 // many rows (prefill, batches) are split into (row group whose activations fit in L2) x (chunk
 // of tile pairs) tasks, each pair reused from L1 by every row block of the group; each thread
 // takes one contiguous run of tasks of near-equal cost (`plan`). The result of
