@@ -156,6 +156,48 @@ def test_epilogues_segments_and_bf16(variant, dot):
     assert bool(((y_fp32.double() - reference).abs() <= bound).all())
 
 
+# Where a block's fp16 scale d sits, per type (bytes from the block's start; the minimum or
+# dmin, where a type has one, follows it).
+_D_OFFSET = {GGMLType.Q6_K: 208}
+
+
+def _extreme_rows(qtype: GGMLType, n: int, k: int) -> torch.Tensor:
+    """GGUF rows whose every value is its type's largest stored value (Q8_0: -128 and 127 in
+    alternate rows), d = 1 and minimum / dmin = 0.5: the largest integer sums the kernels form."""
+    raw = torch.full((n, row_bytes(qtype, k)), 0xFF, dtype=torch.uint8)
+    blocks = raw.view(n, -1, row_bytes(qtype, block_size(qtype)))
+    if qtype == GGMLType.Q8_0:
+        blocks[0::2, :, 2:] = 0x80
+        blocks[1::2, :, 2:] = 0x7F
+    at = _D_OFFSET.get(qtype, 0)
+    blocks[:, :, at : at + 2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # fp16 1.0
+    if qtype in (GGMLType.Q4_1, GGMLType.Q5_1, GGMLType.Q4_K, GGMLType.Q5_K):
+        blocks[:, :, 2:4] = torch.tensor([0x00, 0x38], dtype=torch.uint8)  # fp16 0.5
+    return raw
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant, dot", DOT_KINDS)
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
+def test_largest_values_and_activations_stay_exact(variant, dot, qtype):
+    """Every weight value at its type's extreme against activations of +-127 in every block: the
+    integer sums at their largest (the kernels add up to 16 products in 16 bits before widening,
+    so an overflow there would show), for 1 to 7 rows (every row block shape)."""
+    n, k = 48, 512
+    wd = GGMLTensor(qtype, _extreme_rows(qtype, n, k), (n, k)).dequantize()
+    gen = torch.Generator().manual_seed(int(qtype))
+    x = torch.ones(7, k)
+    x[1::2] = -1.0
+    x[4] = torch.randn(k, generator=gen)
+    with build.use_variant(variant), cpu_quant.use_dot(dot):
+        packed = cpu_quant.pack(int(qtype), _extreme_rows(qtype, n, k), k)
+        x8 = _x8(x)
+        for rows in range(1, 8):
+            y = cpu_quant.linear(x[:rows], [packed])
+            expected = x8[:rows].double() @ wd.double().t()
+            assert bool(((y.double() - expected).abs() <= _bound(wd, x8[:rows], k // 32 + 8)).all()), rows
+
+
 @needs_kernels
 def test_every_variant_and_dot_product_gives_the_same_bits():
     """Also across row counts: a row's result does not depend on the others in its call."""

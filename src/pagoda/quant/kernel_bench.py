@@ -16,7 +16,7 @@ import torch
 from pagoda.kernels import cpu_gemm
 from pagoda.kernels.build import available, ops, status
 from pagoda.kernels.cpu_gemm import QWEN25_05B_LAYERS, QWEN25_05B_SHAPES, median_time
-from pagoda.kernels.cpu_quant import SUPPORTED, PackedQuant, dot_kind, linear, pack
+from pagoda.kernels.cpu_quant import GROUP_VALUES, SUPPORTED, PackedQuant, dot_kind, linear, pack
 from pagoda.kernels.memory import huge_page_copy, huge_page_empty
 from pagoda.quant.formats import GGMLType
 from pagoda.quant.tensor import GGMLTensor
@@ -71,9 +71,15 @@ def bench(types: list[str], ms: list[int], rounds: int, per_shape: bool = False)
     bf16 = {name: cpu_gemm.pack(w.bfloat16(), swiglu=name == "gate_up") for name, w in dense.items()}
     for type_name in types:
         qtype = GGMLType[type_name.upper()]
+        # The K-quants need K a multiple of 256: at this width only `down` (as in llama.cpp's
+        # Q4_K_M files, whose other layers are Q5_0 / Q8_0 here).
+        group = GROUP_VALUES[int(qtype)]
+        shapes = [(name, n, k) for name, n, k in SHAPES if k % group == 0]
+        if len(shapes) < len(SHAPES):
+            print(f"{type_name}: only {', '.join(name for name, _, _ in shapes)} (K a multiple of {group})")
         quant = {
-            name: pack(int(qtype), GGMLTensor.quantize(w, qtype).data, w.shape[1], name == "gate_up")
-            for name, w in dense.items()
+            name: pack(int(qtype), GGMLTensor.quantize(dense[name], qtype).data, k, name == "gate_up")
+            for name, _, k in shapes
         }
         for m in ms:
             layers = LAYERS if m <= 64 else 2
@@ -111,7 +117,7 @@ def bench(types: list[str], ms: list[int], rounds: int, per_shape: bool = False)
             scale = LAYERS / layers
             tq = median_time(run_q, rounds, clock) * scale
             tb = median_time(run_b, rounds, clock) * scale
-            gmac = m * sum(n * k for _, n, k in SHAPES) * LAYERS / 1e9
+            gmac = m * sum(n * k for _, n, k in shapes) * LAYERS / 1e9
             qbytes = sum(p.nbytes for p in quant.values()) * LAYERS
             gb_s = qbytes / tq / 1e9
             roof = f" = {gb_s / bandwidth:4.0%} of the probe" if bandwidth and m <= 8 else ""
@@ -121,7 +127,7 @@ def bench(types: list[str], ms: list[int], rounds: int, per_shape: bool = False)
                 flush=True,
             )
             if per_shape:
-                for name, n, k in SHAPES:
+                for name, n, k in shapes:
                     tq = median_time(lambda name=name: run_q(names=(name,)), rounds, clock) * scale
                     tb = median_time(lambda name=name: run_b(names=(name,)), rounds, clock) * scale
                     gmac = m * n * k * LAYERS / 1e9

@@ -3,9 +3,14 @@
 // they call compiles with it. Not a standalone header.
 //
 // `Dot` provides, on 64-byte vectors (IVec: 16 int32 lanes of 4 bytes each):
-//   dot(acc, w, x):  acc + per lane the sum of 4 products of unsigned w bytes and signed x bytes;
-//   kQ8Bias:         128 if Q8_0 tiles enter dot as stored (q + 128, corrected through the block
-//                    sum of x), 0 if `dot_q8` multiplies the signed values itself.
+//   kQ8Bias:         128 if Q8_0 tiles enter the products as stored (q + 128, corrected through
+//                    the block sum of x), 0 if Q8_0's products take the signed values themselves;
+//   kPairs16:        false: dot(acc, w, x) (and dot_q8 for Q8_0) adds per lane the sum of 4
+//                    products of unsigned w bytes and signed x bytes to acc (vpdpbusd);
+//                    true: pairs(w, x) (pairs_q8) gives the 32 int16 sums of 2 products
+//                    (vpmaddubsw), add16 adds such sums, widen(acc, p) adds a lane's two int16
+//                    sums to its int32 (vpmaddwd by 1 + vpaddd). Up to `chunk` groups' pair sums
+//                    add in int16 before one widen: exact, as no sum can leave int16 (see Traits).
 //
 // micro<QT, MR, NT>: MR activation rows x NT tiles (16 output rows each) over all of K, written
 // as fp32 to out[r * ldo + 16 * t + lane]. For every block of 32 values each (row, tile) sums 8
@@ -19,6 +24,11 @@ struct Traits {
   static constexpr int offset = QT == kQ8_0 ? Dot::kQ8Bias : lay.offset;
   static constexpr bool two_scales = QT == kQ6_K;  // Q6_K: a scale per 16 values
   static constexpr bool k_quant = lay.group_blocks == 8;
+  // Groups whose int16 pair sums add before a widen: 2 * chunk products of at most (2^bits - 1)
+  // x 127 each stay within 32,767 (Q8_0: |q| <= 128, one group). A power of two dividing 4, so
+  // that Q6_K's two halves (groups 0-3, 4-7) never share a chunk.
+  static constexpr int chunk = !Dot::kPairs16 ? 1 : lay.bits == 4 ? 8 : lay.bits == 5 ? 4 : lay.bits == 6 ? 2 : 1;
+  static_assert(!Dot::kPairs16 || 2 * chunk * (QT == kQ8_0 ? 128 : (1 << lay.bits) - 1) * 127 <= 32767);
 };
 
 // The u8 values of group G (0..7) of a tile block (see quant_layout.h).
@@ -44,12 +54,24 @@ PAGODA_INLINE IVec weight_group(const uint8_t* block) {
   }
 }
 
-template <int QT>
-PAGODA_INLINE IVec group_dot(IVec acc, IVec w, IVec x) {
-  if constexpr (QT == kQ8_0) {
-    return Dot::dot_q8(acc, w, x);
+// Adds group G's products of w and x to `sum` (kPairs16: through the chunk's int16 sums `p16`,
+// widened at the chunk's last group).
+template <class D, int QT, int G>
+PAGODA_INLINE void group_step(IVec& sum, IVec& p16, IVec w, IVec x) {
+  if constexpr (D::kPairs16) {
+    constexpr int chunk = Traits<QT>::chunk;
+    const IVec p = QT == kQ8_0 ? D::pairs_q8(w, x) : D::pairs(w, x);
+    // (GCC reassociates these adds into trees over the block's products and spills some of them
+    // at 2-3 rows; an asm barrier keeping the chains linear ran Q4_0 at 32 rows 1.5x slower and
+    // Q8_0 1.4x slower: AMD EPYC Zen 3, avx2, 1 thread.)
+    if constexpr (chunk == 1) {
+      sum = D::widen(sum, p);
+    } else {
+      p16 = G % chunk == 0 ? p : D::add16(p16, p);
+      if constexpr (G % chunk == chunk - 1) sum = D::widen(sum, p16);
+    }
   } else {
-    return Dot::dot(acc, w, x);
+    sum = QT == kQ8_0 ? D::dot_q8(sum, w, x) : D::dot(sum, w, x);
   }
 }
 
@@ -91,11 +113,10 @@ void micro(const TileArgs& w, const Acts& x, int64_t row0, float* out, int64_t l
       const uint8_t* vb[NT];
       for (int t = 0; t < NT; ++t) vb[t] = w.values + t * w.value_stride + G * w.value_group + j * lay.block_value_bytes;
       if (w.inline_scales) {
-        // One sequential stream (the pair's scales and values, pairs one after another). One row
-        // leaves it to the hardware prefetcher (software prefetches slowed it: AMD EPYC Zen 4,
-        // 1 thread, Q4_0 gate_up 20.6 GB/s without, 17.2 with 4 KB ahead); more rows, whose
-        // compute runs longer per byte, fetch this block's share kPrefetchBytes ahead into L2.
-        if (MR > 1 && w.stream != nullptr) {
+        // One sequential stream (the pair's scales and values, pairs one after another). More
+        // rows, whose compute runs longer per byte, fetch this block's share kPrefetchBytes ahead
+        // into L2; one row does only where kPrefetchOneRow says so.
+        if ((MR > 1 || kPrefetchOneRow) && w.stream != nullptr) {
           constexpr int64_t share = 2 * (lay.group_scale_bytes + lay.group_blocks * lay.block_value_bytes) / lay.group_blocks;
           const uint8_t* p = w.stream + G * w.scale_group + j * share + kPrefetchBytes;
           for (int l = 0; l < share; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T1);
@@ -116,6 +137,7 @@ void micro(const TileArgs& w, const Acts& x, int64_t row0, float* out, int64_t l
             _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T1);
         }
       }
+      IVec p16[MR][NT];  // kPairs16: the int16 pair sums of the chunk so far
       [&]<int... Gs>(std::integer_sequence<int, Gs...>) {
         (
             [&] {
@@ -124,11 +146,7 @@ void micro(const TileArgs& w, const Acts& x, int64_t row0, float* out, int64_t l
               for (int r = 0; r < MR; ++r) {
                 const IVec xb = ibcast(load32(xq + r * x.K + b * kBlock + 4 * Gs));
                 for (int t = 0; t < NT; ++t) {
-                  if (T::two_scales && Gs >= 4) {
-                    ib[r][t] = group_dot<QT>(ib[r][t], wv[t], xb);
-                  } else {
-                    ia[r][t] = group_dot<QT>(ia[r][t], wv[t], xb);
-                  }
+                  group_step<Dot, QT, Gs>(T::two_scales && Gs >= 4 ? ib[r][t] : ia[r][t], p16[r][t], wv[t], xb);
                 }
               }
             }(),
@@ -168,7 +186,7 @@ void micro(const TileArgs& w, const Acts& x, int64_t row0, float* out, int64_t l
 
 template <int QT, int... MRs>
 constexpr std::array<MicroFn, sizeof...(MRs)> micro_row(std::integer_sequence<int, MRs...>) {
-  return {&micro<QT, MRs + 1, kTileStep>...};
+  return {&micro<QT, MRs + 1, tiles_per_call(layout(QT), MRs + 1)>...};
 }
 
 // table[type_index(qtype)][MR - 1]
