@@ -154,6 +154,8 @@ void check_elems_cpu(const at::Tensor& t, const char* name) {
 }
 inline VecF load_elems(const uint16_t* p, const Mask& m) { return load_bf16(p, m); }
 inline VecF load_elems(const float* p, const Mask& m) { return load(p, m); }
+inline VecF load_elems(const uint16_t* p) { return load_bf16(p); }
+inline VecF load_elems(const float* p) { return load(p); }
 inline void store_elems(uint16_t* p, VecF v, const Mask& m) { store_bf16(p, v, m); }
 inline void store_elems(float* p, VecF v, const Mask& m) { store(p, v, m); }
 
@@ -183,19 +185,36 @@ struct OutRows {
 
 // The V pass takes up to kPassVecs vectors (16 dimensions each) of the head at once, with a tile
 // of rows_per_tile(C) score rows x C vectors of fp32 sums in registers beside the C values and
-// one weight.
+// one weight. More score rows than one tile of kPassVecs holds take passes of kNarrowPass vectors
+// (more rows per V load).
 #if defined(PAGODA_AVX512)
-constexpr int kPassVecs = 8;
+constexpr int kPassVecs = 8, kNarrowPass = 4;
 constexpr int rows_per_tile(int c) { return c == 8 ? 2 : c >= 5 ? 3 : 24 / c; }
 #else
-constexpr int kPassVecs = 2;
+// On 16 ymm registers: 6 rows x 2 halves of one vector (15 registers with the V halves and the
+// weight), so each V load feeds up to 12 multiply-adds and is widened from bf16 once per tile.
+constexpr int kPassVecs = 2, kNarrowPass = 1;
 constexpr int rows_per_tile(int c) { return c == 1 ? 6 : 2; }
 #endif
+
+// Splits n rows into the fewest tiles of at most `most` rows, of near-equal sizes (7 as 4 + 3,
+// not 6 + 1: a one-row tile has too few independent sums to hide the multiply-add latency).
+// Calls f(first row, rows) per tile. Tiles never change a row's bits (each row sums alone).
+template <typename F>
+inline void for_each_tile(int64_t n, int64_t most, F&& f) {
+  const int64_t tiles = (n + most - 1) / most;
+  for (int64_t i = 0, r0 = 0; i < tiles; ++i) {
+    const int64_t rt = n / tiles + (i < n % tiles ? 1 : 0);
+    f(r0, static_cast<int>(rt));
+    r0 += rt;
+  }
+}
 
 // out[r][d0, d0 + 16 C) = sum_t p[r][t] * v[t][d0, ...] * inv_sum[r] for the RT score rows r0 ..
 // r0 + RT - 1 (p: rows of len - start weights, ldp apart): one load of V per position for all RT
 // rows, the sums in registers (RT is a constant so that they stay there).
-template <int C, int RT, typename E>
+// kFull: every chunk has 16 dimensions (unmasked loads, no per-load tail test).
+template <int C, int RT, bool kFull, typename E>
 void v_tile(const VRows<E>& rows, int64_t d0, const Mask* masks, const float* p, int64_t ldp, const float* inv_sum,
             int64_t r0, const OutRows<E>& out) {
   constexpr int K = C * kSplit;
@@ -211,7 +230,7 @@ void v_tile(const VRows<E>& rows, int64_t d0, const Mask* masks, const float* p,
     VecN vv[K];
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
-      const VecF x = load_elems(v + c * 16, masks[c]);
+      const VecF x = kFull ? load_elems(v + c * 16) : load_elems(v + c * 16, masks[c]);
 #pragma GCC unroll 2
       for (int s = 0; s < kSplit; ++s) vv[c * kSplit + s] = part(x, s);
     }
@@ -238,23 +257,25 @@ void v_tile(const VRows<E>& rows, int64_t d0, const Mask* masks, const float* p,
 
 // v_tile<C, rt> for 1 <= rt <= RT.
 template <int C, int RT, typename E>
-void v_rows(int rt, const VRows<E>& rows, int64_t d0, const Mask* masks, const float* p, int64_t ldp,
+void v_rows(int rt, bool full, const VRows<E>& rows, int64_t d0, const Mask* masks, const float* p, int64_t ldp,
             const float* inv_sum, int64_t r0, const OutRows<E>& out) {
   if constexpr (RT > 1) {
-    if (rt < RT) return v_rows<C, RT - 1>(rt, rows, d0, masks, p, ldp, inv_sum, r0, out);
+    if (rt < RT) return v_rows<C, RT - 1>(rt, full, rows, d0, masks, p, ldp, inv_sum, r0, out);
   }
-  v_tile<C, RT>(rows, d0, masks, p, ldp, inv_sum, r0, out);
+  if (full) return v_tile<C, RT, true>(rows, d0, masks, p, ldp, inv_sum, r0, out);
+  v_tile<C, RT, false>(rows, d0, masks, p, ldp, inv_sum, r0, out);
 }
 
-// out[r][d0, d0 + 16 C) for all R score rows, in tiles of rows_per_tile(C).
+// out[r][d0, d0 + 16 C) for all R score rows, in near-equal tiles of up to rows_per_tile(C).
 template <int C, typename E>
 void accumulate_v(const VRows<E>& rows, int64_t d0, const float* p, int64_t ldp, const float* inv_sum, int64_t R,
                   const OutRows<E>& out) {
-  constexpr int RT = rows_per_tile(C);
   Mask masks[C];
   for (int c = 0; c < C; ++c) masks[c] = tail_mask(rows.D - d0 - c * 16);
-  for (int64_t r0 = 0; r0 < R; r0 += RT)
-    v_rows<C, RT>(static_cast<int>(std::min<int64_t>(RT, R - r0)), rows, d0, masks, p, ldp, inv_sum, r0, out);
+  const bool full = rows.D - d0 >= 16 * C;
+  for_each_tile(R, rows_per_tile(C), [&](int64_t r0, int rt) {
+    v_rows<C, rows_per_tile(C)>(rt, full, rows, d0, masks, p, ldp, inv_sum, r0, out);
+  });
 }
 
 // accumulate_v<c> for 1 <= c <= C.
@@ -573,8 +594,10 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
     std::vector<int64_t> pair_offsets;  // with pairs: V row offsets from pbase on
     std::vector<float> inv_sum(static_cast<size_t>(max_rows));
     // Memory: a task's V rows are prefetched into L2 while its K rows are read, and the K rows of
-    // the next task's first two blocks while its softmax and V pass run; each K block prefetches
-    // the next into L1 and the V pass runs kPrefetchAhead positions ahead.
+    // the next task's first two blocks while its softmax and V pass run (a thread's first task's
+    // before it starts); each K block prefetches the next into L1, a line at a time between its
+    // own loads (a burst of them stalls on the miss buffers), and the V pass runs kPrefetchAhead
+    // positions ahead.
     const auto prefetch_first_keys = [&](int64_t item) {
       const auto [b, first] = tiles[static_cast<size_t>(item / Hkv)];
       const int64_t h = item % Hkv;
@@ -585,6 +608,7 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t t = start; t < std::min(len, start + 2 * kPosBlock); ++t)
         prefetch_row<_MM_HINT_T1>(kc + ((static_cast<int64_t>(table[t / bs]) * bs + t % bs) * Hkv + h) * D, D);
     };
+    prefetch_first_keys(i0);
     for (int64_t item = i0; item < i1; ++item) {
       const auto [b, first] = tiles[static_cast<size_t>(item / Hkv)];
       const int64_t h = item % Hkv;
@@ -618,18 +642,25 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
           ++j;
         }
       }
+      // A group of a row (16 values, or 16 bf16 pairs) is group_elems elements.
+      const int64_t groups = pairs ? CG : C, group_elems = pairs ? 32 : 16;
       for (int64_t t0 = start; t0 < len; t0 += kPosBlock) {
-        for (int64_t t = t0 + kPosBlock; t < std::min(len, t0 + 2 * kPosBlock); ++t)
-          prefetch_row(kc + offsets[t - start], D);
-        for (int64_t t = t0; t < std::min(len, t0 + kPosBlock); ++t) prefetch_row<_MM_HINT_T1>(vc + offsets[t - start], D);
         // kt = K^T of positions [t0, t0 + kPosBlock) (zero rows past len): 16 x 16 blocks of fp32
-        // values, or of bf16 pairs as 32-bit lanes.
-        const int64_t groups = pairs ? CG : C;
+        // values, or of bf16 pairs as 32-bit lanes. Beside the load of a row's group that starts
+        // a cache line: that line of the same position's V row (into L2) and of the K row
+        // kPosBlock positions on (into L1).
         for (int64_t half = 0; half < kPosBlock / 16; ++half)
           for (int64_t c = 0; c < groups; ++c) {
+            const int64_t e0 = c * group_elems;
+            const bool line = e0 * static_cast<int64_t>(sizeof(E)) % 64 == 0;
             VecF v[16];
             for (int64_t j = 0; j < 16; ++j) {
               const int64_t t = t0 + half * 16 + j;
+              if (line && t < len) {
+                _mm_prefetch(reinterpret_cast<const char*>(vc + offsets[t - start] + e0), _MM_HINT_T1);
+                if (t + kPosBlock < len)
+                  _mm_prefetch(reinterpret_cast<const char*>(kc + offsets[t + kPosBlock - start] + e0), _MM_HINT_T0);
+              }
               if (t >= len) {
                 v[j] = zero();
               } else if (pairs) {
@@ -642,8 +673,7 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
             for (int64_t i = 0; i < 16; ++i) store(kt.data() + (c * 16 + i) * kPosBlock + half * 16, v[i]);
           }
         float* s = scores.data() + (t0 - start);
-        for (int64_t r0 = 0; r0 < R; r0 += kScoreRows) {
-          const int rt = static_cast<int>(std::min<int64_t>(kScoreRows, R - r0));
+        for_each_tile(R, kScoreRows, [&](int64_t r0, int rt) {
           if (pairs) {
             score_rows<kScoreRows, bf16_pair_scores<E>()>(rt, kt.data(), qb.data() + r0 * P2, P2, P2, fscale,
                                                           s + r0 * ns, ns);
@@ -651,7 +681,7 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
             score_rows<kScoreRows, false>(rt, kt.data(), qf.data() + r0 * C * 16, C * 16, D, fscale, s + r0 * ns,
                                           ns);
           }
-        }
+        });
       }
       if (item + 1 < i1) prefetch_first_keys(item + 1);
 #if defined(PAGODA_ISA_AVX512_BF16)
@@ -706,9 +736,9 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
       }
       const VRows<E> rows{vc, offsets.data(), D, start, len};
       const OutRows<E> out_rows{op + (first * H + h * G) * D, G, H * D, D};
-      // Several score rows take passes of at most 4 vectors (more rows per V load); one or two
-      // take the whole head per pass (each V row read once).
-      const int pass = R >= rows_per_tile(4) ? std::min(kPassVecs, 4) : kPassVecs;
+      // Rows that fit one tile of kPassVecs take the widest passes (each V row read fewest times),
+      // more take narrow ones (more rows per V load).
+      const int pass = R > rows_per_tile(kPassVecs) ? kNarrowPass : kPassVecs;
       for (int64_t d0 = 0; d0 < D; d0 += 16 * pass) {
         const int c = static_cast<int>(std::min<int64_t>(pass, (D - d0 + 15) / 16));
         accumulate_pass<kPassVecs>(c, rows, d0, scores.data(), ns, inv_sum.data(), R, out_rows);
