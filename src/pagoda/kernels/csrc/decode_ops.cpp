@@ -642,36 +642,46 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
           ++j;
         }
       }
-      // A group of a row (16 values, or 16 bf16 pairs) is group_elems elements.
-      const int64_t groups = pairs ? CG : C, group_elems = pairs ? 32 : 16;
+      // A group of a row (16 values, or 16 bf16 pairs) is group_elems elements. (Pointers as locals:
+      // the vector stores below may alias anything, so fields read through them would be
+      // reloaded at every row.)
+      const int64_t groups = pairs ? CG : C, group_elems = pairs ? 32 : 16, lanes = pairs ? P2 : D;
+      const int64_t* off = offsets.data() - start;  // off[t]: offset of position t's K / V row
+      float* const ktp = kt.data();
       for (int64_t t0 = start; t0 < len; t0 += kPosBlock) {
         // kt = K^T of positions [t0, t0 + kPosBlock) (zero rows past len): 16 x 16 blocks of fp32
         // values, or of bf16 pairs as 32-bit lanes. Beside the load of a row's group that starts
         // a cache line: that line of the same position's V row (into L2) and of the K row
         // kPosBlock positions on (into L1).
-        for (int64_t half = 0; half < kPosBlock / 16; ++half)
+        for (int64_t half = 0; half < kPosBlock / 16; ++half) {
+          const int64_t tb = t0 + half * 16, valid = std::clamp<int64_t>(len - tb, 0, 16);
           for (int64_t c = 0; c < groups; ++c) {
             const int64_t e0 = c * group_elems;
-            const bool line = e0 * static_cast<int64_t>(sizeof(E)) % 64 == 0;
+            const bool line = e0 * static_cast<int64_t>(sizeof(E)) % 64 == 0, full = lanes - c * 16 >= 16;
+            const Mask m = tail_mask(lanes - c * 16);
             VecF v[16];
             for (int64_t j = 0; j < 16; ++j) {
-              const int64_t t = t0 + half * 16 + j;
-              if (line && t < len) {
-                _mm_prefetch(reinterpret_cast<const char*>(vc + offsets[t - start] + e0), _MM_HINT_T1);
-                if (t + kPosBlock < len)
-                  _mm_prefetch(reinterpret_cast<const char*>(kc + offsets[t + kPosBlock - start] + e0), _MM_HINT_T0);
-              }
-              if (t >= len) {
+              if (j >= valid) {
                 v[j] = zero();
-              } else if (pairs) {
-                v[j] = load(reinterpret_cast<const float*>(kc + offsets[t - start]) + c * 16, tail_mask(P2 - c * 16));
+                continue;
+              }
+              const int64_t t = tb + j;
+              const E* krow = kc + off[t] + e0;
+              if (line) {
+                _mm_prefetch(reinterpret_cast<const char*>(vc + off[t] + e0), _MM_HINT_T1);
+                if (t + kPosBlock < len) _mm_prefetch(reinterpret_cast<const char*>(kc + off[t + kPosBlock] + e0), _MM_HINT_T0);
+              }
+              if (pairs) {
+                const float* k2 = reinterpret_cast<const float*>(krow);
+                v[j] = full ? load(k2) : load(k2, m);
               } else {
-                v[j] = load_elems(kc + offsets[t - start] + c * 16, tail_mask(D - c * 16));
+                v[j] = full ? load_elems(krow) : load_elems(krow, m);
               }
             }
             transpose16(v);
-            for (int64_t i = 0; i < 16; ++i) store(kt.data() + (c * 16 + i) * kPosBlock + half * 16, v[i]);
+            for (int64_t i = 0; i < 16; ++i) store(ktp + (c * 16 + i) * kPosBlock + half * 16, v[i]);
           }
+        }
         float* s = scores.data() + (t0 - start);
         for_each_tile(R, kScoreRows, [&](int64_t r0, int rt) {
           if (pairs) {
