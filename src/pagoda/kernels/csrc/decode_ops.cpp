@@ -385,6 +385,40 @@ inline void accumulate_v_pairs(const uint16_t* vc, const int64_t* poff, int64_t 
 }
 #endif
 
+#if !defined(PAGODA_AVX512)
+// AVX2, bf16 K: rows r[0..15] of 16 bf16 values each -> v[i] = value i of every row as fp32. The
+// 16-bit values are transposed first (8 x 8 blocks within each 128-bit lane, three unpack
+// stages) and widened after, a third of the shuffles of widening first and transposing fp32
+// vectors (`transpose16`). It only moves and widens bits: the same vectors as that.
+inline void transpose16_bf16(const __m256i r[16], VecF v[16]) {
+  const auto widen8 = [](__m128i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)); };
+  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7: lanes 0..7 (lo) or 8..15 (hi) of each v[i]
+    const __m256i* x = r + 8 * h;
+    __m256i s[8], u[4], w[4];
+    for (int i = 0; i < 4; ++i) {
+      s[2 * i] = _mm256_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
+      s[2 * i + 1] = _mm256_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {  // u: rows 0-3 (of the eight), w: rows 4-7; columns 4i .. 4i + 3
+      u[2 * i] = _mm256_unpacklo_epi32(s[i], s[i + 2]);
+      u[2 * i + 1] = _mm256_unpackhi_epi32(s[i], s[i + 2]);
+      w[2 * i] = _mm256_unpacklo_epi32(s[4 + i], s[6 + i]);
+      w[2 * i + 1] = _mm256_unpackhi_epi32(s[4 + i], s[6 + i]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      // Column k = 2i (then 2i + 1) of the eight rows in the low 128 bits, column 8 + k in the high.
+      const __m256i col[2] = {_mm256_unpacklo_epi64(u[i], w[i]), _mm256_unpackhi_epi64(u[i], w[i])};
+      for (int e = 0; e < 2; ++e) {
+        const int k = 2 * i + e;
+        const __m256 low = widen8(_mm256_castsi256_si128(col[e])), high = widen8(_mm256_extracti128_si256(col[e], 1));
+        (h ? v[k].hi : v[k].lo) = low;
+        (h ? v[8 + k].hi : v[8 + k].lo) = high;
+      }
+    }
+  }
+}
+#endif
+
 // The largest score of s[lo, hi), in every lane (a softmax row's shift).
 inline VecF row_max(const float* s, int64_t lo, int64_t hi) {
   VecF mx = set1(-INFINITY);
@@ -660,8 +694,20 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
             const bool line = e0 * static_cast<int64_t>(sizeof(E)) % 64 == 0, full = lanes - c * 16 >= 16;
             const Mask m = tail_mask(lanes - c * 16);
             VecF v[16];
+#if !defined(PAGODA_AVX512)
+            constexpr bool narrow = std::is_same_v<E, uint16_t>;  // bf16 K: transposed as 16-bit values
+            __m256i r[16];
+#else
+            constexpr bool narrow = false;
+#endif
             for (int64_t j = 0; j < 16; ++j) {
               if (j >= valid) {
+#if !defined(PAGODA_AVX512)
+                if constexpr (narrow) {
+                  r[j] = _mm256_setzero_si256();
+                  continue;
+                }
+#endif
                 v[j] = zero();
                 continue;
               }
@@ -671,6 +717,18 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
                 _mm_prefetch(reinterpret_cast<const char*>(vc + off[t] + e0), _MM_HINT_T1);
                 if (t + kPosBlock < len) _mm_prefetch(reinterpret_cast<const char*>(kc + off[t + kPosBlock] + e0), _MM_HINT_T0);
               }
+#if !defined(PAGODA_AVX512)
+              if constexpr (narrow) {
+                if (full) {
+                  r[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow));
+                } else {  // the tail group: its valid values through a zeroed buffer
+                  alignas(32) uint16_t buf[16] = {};
+                  std::memcpy(buf, krow, static_cast<size_t>(lanes - c * 16) * sizeof(uint16_t));
+                  r[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+                }
+                continue;
+              }
+#endif
               if (pairs) {
                 const float* k2 = reinterpret_cast<const float*>(krow);
                 v[j] = full ? load(k2) : load(k2, m);
@@ -678,7 +736,15 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
                 v[j] = full ? load_elems(krow) : load_elems(krow, m);
               }
             }
+#if !defined(PAGODA_AVX512)
+            if constexpr (narrow) {
+              transpose16_bf16(r, v);
+            } else {
+              transpose16(v);
+            }
+#else
             transpose16(v);
+#endif
             for (int64_t i = 0; i < 16; ++i) store(ktp + (c * 16 + i) * kPosBlock + half * 16, v[i]);
           }
         }
