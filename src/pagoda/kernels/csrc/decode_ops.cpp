@@ -154,6 +154,8 @@ void check_elems_cpu(const at::Tensor& t, const char* name) {
 }
 inline VecF load_elems(const uint16_t* p, const Mask& m) { return load_bf16(p, m); }
 inline VecF load_elems(const float* p, const Mask& m) { return load(p, m); }
+inline VecF load_elems(const uint16_t* p) { return load_bf16(p); }
+inline VecF load_elems(const float* p) { return load(p); }
 inline void store_elems(uint16_t* p, VecF v, const Mask& m) { store_bf16(p, v, m); }
 inline void store_elems(float* p, VecF v, const Mask& m) { store(p, v, m); }
 
@@ -183,19 +185,36 @@ struct OutRows {
 
 // The V pass takes up to kPassVecs vectors (16 dimensions each) of the head at once, with a tile
 // of rows_per_tile(C) score rows x C vectors of fp32 sums in registers beside the C values and
-// one weight.
+// one weight. More score rows than one tile of kPassVecs holds take passes of kNarrowPass vectors
+// (more rows per V load).
 #if defined(PAGODA_AVX512)
-constexpr int kPassVecs = 8;
+constexpr int kPassVecs = 8, kNarrowPass = 4;
 constexpr int rows_per_tile(int c) { return c == 8 ? 2 : c >= 5 ? 3 : 24 / c; }
 #else
-constexpr int kPassVecs = 2;
+// On 16 ymm registers: 6 rows x 2 halves of one vector (15 registers with the V halves and the
+// weight), so each V load feeds up to 12 multiply-adds and is widened from bf16 once per tile.
+constexpr int kPassVecs = 2, kNarrowPass = 1;
 constexpr int rows_per_tile(int c) { return c == 1 ? 6 : 2; }
 #endif
+
+// Splits n rows into the fewest tiles of at most `most` rows, of near-equal sizes (7 as 4 + 3,
+// not 6 + 1: a one-row tile has too few independent sums to hide the multiply-add latency).
+// Calls f(first row, rows) per tile. Tiles never change a row's bits (each row sums alone).
+template <typename F>
+inline void for_each_tile(int64_t n, int64_t most, F&& f) {
+  const int64_t tiles = (n + most - 1) / most;
+  for (int64_t i = 0, r0 = 0; i < tiles; ++i) {
+    const int64_t rt = n / tiles + (i < n % tiles ? 1 : 0);
+    f(r0, static_cast<int>(rt));
+    r0 += rt;
+  }
+}
 
 // out[r][d0, d0 + 16 C) = sum_t p[r][t] * v[t][d0, ...] * inv_sum[r] for the RT score rows r0 ..
 // r0 + RT - 1 (p: rows of len - start weights, ldp apart): one load of V per position for all RT
 // rows, the sums in registers (RT is a constant so that they stay there).
-template <int C, int RT, typename E>
+// kFull: every chunk has 16 dimensions (unmasked loads, no per-load tail test).
+template <int C, int RT, bool kFull, typename E>
 void v_tile(const VRows<E>& rows, int64_t d0, const Mask* masks, const float* p, int64_t ldp, const float* inv_sum,
             int64_t r0, const OutRows<E>& out) {
   constexpr int K = C * kSplit;
@@ -211,7 +230,7 @@ void v_tile(const VRows<E>& rows, int64_t d0, const Mask* masks, const float* p,
     VecN vv[K];
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
-      const VecF x = load_elems(v + c * 16, masks[c]);
+      const VecF x = kFull ? load_elems(v + c * 16) : load_elems(v + c * 16, masks[c]);
 #pragma GCC unroll 2
       for (int s = 0; s < kSplit; ++s) vv[c * kSplit + s] = part(x, s);
     }
@@ -238,23 +257,25 @@ void v_tile(const VRows<E>& rows, int64_t d0, const Mask* masks, const float* p,
 
 // v_tile<C, rt> for 1 <= rt <= RT.
 template <int C, int RT, typename E>
-void v_rows(int rt, const VRows<E>& rows, int64_t d0, const Mask* masks, const float* p, int64_t ldp,
+void v_rows(int rt, bool full, const VRows<E>& rows, int64_t d0, const Mask* masks, const float* p, int64_t ldp,
             const float* inv_sum, int64_t r0, const OutRows<E>& out) {
   if constexpr (RT > 1) {
-    if (rt < RT) return v_rows<C, RT - 1>(rt, rows, d0, masks, p, ldp, inv_sum, r0, out);
+    if (rt < RT) return v_rows<C, RT - 1>(rt, full, rows, d0, masks, p, ldp, inv_sum, r0, out);
   }
-  v_tile<C, RT>(rows, d0, masks, p, ldp, inv_sum, r0, out);
+  if (full) return v_tile<C, RT, true>(rows, d0, masks, p, ldp, inv_sum, r0, out);
+  v_tile<C, RT, false>(rows, d0, masks, p, ldp, inv_sum, r0, out);
 }
 
-// out[r][d0, d0 + 16 C) for all R score rows, in tiles of rows_per_tile(C).
+// out[r][d0, d0 + 16 C) for all R score rows, in near-equal tiles of up to rows_per_tile(C).
 template <int C, typename E>
 void accumulate_v(const VRows<E>& rows, int64_t d0, const float* p, int64_t ldp, const float* inv_sum, int64_t R,
                   const OutRows<E>& out) {
-  constexpr int RT = rows_per_tile(C);
   Mask masks[C];
   for (int c = 0; c < C; ++c) masks[c] = tail_mask(rows.D - d0 - c * 16);
-  for (int64_t r0 = 0; r0 < R; r0 += RT)
-    v_rows<C, RT>(static_cast<int>(std::min<int64_t>(RT, R - r0)), rows, d0, masks, p, ldp, inv_sum, r0, out);
+  const bool full = rows.D - d0 >= 16 * C;
+  for_each_tile(R, rows_per_tile(C), [&](int64_t r0, int rt) {
+    v_rows<C, rows_per_tile(C)>(rt, full, rows, d0, masks, p, ldp, inv_sum, r0, out);
+  });
 }
 
 // accumulate_v<c> for 1 <= c <= C.
@@ -358,6 +379,40 @@ inline void accumulate_v_pairs(const uint16_t* vc, const int64_t* poff, int64_t 
         v_rows_pairs<2, pair_rows_per_tile(2)>(n, vc, poff, np, D, d0, pb, ldp, inv_sum, r0, out);
       } else {
         v_rows_pairs<1, pair_rows_per_tile(1)>(n, vc, poff, np, D, d0, pb, ldp, inv_sum, r0, out);
+      }
+    }
+  }
+}
+#endif
+
+#if !defined(PAGODA_AVX512)
+// AVX2, bf16 K: rows r[0..15] of 16 bf16 values each -> v[i] = value i of every row as fp32. The
+// 16-bit values are transposed first (8 x 8 blocks within each 128-bit lane, three unpack
+// stages) and widened after, a third of the shuffles of widening first and transposing fp32
+// vectors (`transpose16`). It only moves and widens bits: the same vectors as that.
+inline void transpose16_bf16(const __m256i r[16], VecF v[16]) {
+  const auto widen8 = [](__m128i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)); };
+  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7: lanes 0..7 (lo) or 8..15 (hi) of each v[i]
+    const __m256i* x = r + 8 * h;
+    __m256i s[8], u[4], w[4];
+    for (int i = 0; i < 4; ++i) {
+      s[2 * i] = _mm256_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
+      s[2 * i + 1] = _mm256_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {  // u: rows 0-3 (of the eight), w: rows 4-7; columns 4i .. 4i + 3
+      u[2 * i] = _mm256_unpacklo_epi32(s[i], s[i + 2]);
+      u[2 * i + 1] = _mm256_unpackhi_epi32(s[i], s[i + 2]);
+      w[2 * i] = _mm256_unpacklo_epi32(s[4 + i], s[6 + i]);
+      w[2 * i + 1] = _mm256_unpackhi_epi32(s[4 + i], s[6 + i]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      // Column k = 2i (then 2i + 1) of the eight rows in the low 128 bits, column 8 + k in the high.
+      const __m256i col[2] = {_mm256_unpacklo_epi64(u[i], w[i]), _mm256_unpackhi_epi64(u[i], w[i])};
+      for (int e = 0; e < 2; ++e) {
+        const int k = 2 * i + e;
+        const __m256 low = widen8(_mm256_castsi256_si128(col[e])), high = widen8(_mm256_extracti128_si256(col[e], 1));
+        (h ? v[k].hi : v[k].lo) = low;
+        (h ? v[8 + k].hi : v[8 + k].lo) = high;
       }
     }
   }
@@ -573,8 +628,10 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
     std::vector<int64_t> pair_offsets;  // with pairs: V row offsets from pbase on
     std::vector<float> inv_sum(static_cast<size_t>(max_rows));
     // Memory: a task's V rows are prefetched into L2 while its K rows are read, and the K rows of
-    // the next task's first two blocks while its softmax and V pass run; each K block prefetches
-    // the next into L1 and the V pass runs kPrefetchAhead positions ahead.
+    // the next task's first two blocks while its softmax and V pass run (a thread's first task's
+    // before it starts); each K block prefetches the next into L1, a line at a time between its
+    // own loads (a burst of them stalls on the miss buffers), and the V pass runs kPrefetchAhead
+    // positions ahead.
     const auto prefetch_first_keys = [&](int64_t item) {
       const auto [b, first] = tiles[static_cast<size_t>(item / Hkv)];
       const int64_t h = item % Hkv;
@@ -585,6 +642,7 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
       for (int64_t t = start; t < std::min(len, start + 2 * kPosBlock); ++t)
         prefetch_row<_MM_HINT_T1>(kc + ((static_cast<int64_t>(table[t / bs]) * bs + t % bs) * Hkv + h) * D, D);
     };
+    prefetch_first_keys(i0);
     for (int64_t item = i0; item < i1; ++item) {
       const auto [b, first] = tiles[static_cast<size_t>(item / Hkv)];
       const int64_t h = item % Hkv;
@@ -618,32 +676,80 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
           ++j;
         }
       }
+      // A group of a row (16 values, or 16 bf16 pairs) is group_elems elements. (Pointers as locals:
+      // the vector stores below may alias anything, so fields read through them would be
+      // reloaded at every row.)
+      const int64_t groups = pairs ? CG : C, group_elems = pairs ? 32 : 16, lanes = pairs ? P2 : D;
+      const int64_t* off = offsets.data() - start;  // off[t]: offset of position t's K / V row
+      float* const ktp = kt.data();
       for (int64_t t0 = start; t0 < len; t0 += kPosBlock) {
-        for (int64_t t = t0 + kPosBlock; t < std::min(len, t0 + 2 * kPosBlock); ++t)
-          prefetch_row(kc + offsets[t - start], D);
-        for (int64_t t = t0; t < std::min(len, t0 + kPosBlock); ++t) prefetch_row<_MM_HINT_T1>(vc + offsets[t - start], D);
         // kt = K^T of positions [t0, t0 + kPosBlock) (zero rows past len): 16 x 16 blocks of fp32
-        // values, or of bf16 pairs as 32-bit lanes.
-        const int64_t groups = pairs ? CG : C;
-        for (int64_t half = 0; half < kPosBlock / 16; ++half)
+        // values, or of bf16 pairs as 32-bit lanes. Beside the load of a row's group that starts
+        // a cache line: that line of the same position's V row (into L2) and of the K row
+        // kPosBlock positions on (into L1).
+        for (int64_t half = 0; half < kPosBlock / 16; ++half) {
+          const int64_t tb = t0 + half * 16, valid = std::clamp<int64_t>(len - tb, 0, 16);
           for (int64_t c = 0; c < groups; ++c) {
+            const int64_t e0 = c * group_elems;
+            const bool line = e0 * static_cast<int64_t>(sizeof(E)) % 64 == 0, full = lanes - c * 16 >= 16;
+            const Mask m = tail_mask(lanes - c * 16);
             VecF v[16];
+#if !defined(PAGODA_AVX512)
+            constexpr bool narrow = std::is_same_v<E, uint16_t>;  // bf16 K: transposed as 16-bit values
+            __m256i r[16];
+#else
+            constexpr bool narrow = false;
+#endif
             for (int64_t j = 0; j < 16; ++j) {
-              const int64_t t = t0 + half * 16 + j;
-              if (t >= len) {
+              if (j >= valid) {
+#if !defined(PAGODA_AVX512)
+                if constexpr (narrow) {
+                  r[j] = _mm256_setzero_si256();
+                  continue;
+                }
+#endif
                 v[j] = zero();
-              } else if (pairs) {
-                v[j] = load(reinterpret_cast<const float*>(kc + offsets[t - start]) + c * 16, tail_mask(P2 - c * 16));
+                continue;
+              }
+              const int64_t t = tb + j;
+              const E* krow = kc + off[t] + e0;
+              if (line) {
+                _mm_prefetch(reinterpret_cast<const char*>(vc + off[t] + e0), _MM_HINT_T1);
+                if (t + kPosBlock < len) _mm_prefetch(reinterpret_cast<const char*>(kc + off[t + kPosBlock] + e0), _MM_HINT_T0);
+              }
+#if !defined(PAGODA_AVX512)
+              if constexpr (narrow) {
+                if (full) {
+                  r[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow));
+                } else {  // the tail group: its valid values through a zeroed buffer
+                  alignas(32) uint16_t buf[16] = {};
+                  std::memcpy(buf, krow, static_cast<size_t>(lanes - c * 16) * sizeof(uint16_t));
+                  r[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+                }
+                continue;
+              }
+#endif
+              if (pairs) {
+                const float* k2 = reinterpret_cast<const float*>(krow);
+                v[j] = full ? load(k2) : load(k2, m);
               } else {
-                v[j] = load_elems(kc + offsets[t - start] + c * 16, tail_mask(D - c * 16));
+                v[j] = full ? load_elems(krow) : load_elems(krow, m);
               }
             }
+#if !defined(PAGODA_AVX512)
+            if constexpr (narrow) {
+              transpose16_bf16(r, v);
+            } else {
+              transpose16(v);
+            }
+#else
             transpose16(v);
-            for (int64_t i = 0; i < 16; ++i) store(kt.data() + (c * 16 + i) * kPosBlock + half * 16, v[i]);
+#endif
+            for (int64_t i = 0; i < 16; ++i) store(ktp + (c * 16 + i) * kPosBlock + half * 16, v[i]);
           }
+        }
         float* s = scores.data() + (t0 - start);
-        for (int64_t r0 = 0; r0 < R; r0 += kScoreRows) {
-          const int rt = static_cast<int>(std::min<int64_t>(kScoreRows, R - r0));
+        for_each_tile(R, kScoreRows, [&](int64_t r0, int rt) {
           if (pairs) {
             score_rows<kScoreRows, bf16_pair_scores<E>()>(rt, kt.data(), qb.data() + r0 * P2, P2, P2, fscale,
                                                           s + r0 * ns, ns);
@@ -651,7 +757,7 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
             score_rows<kScoreRows, false>(rt, kt.data(), qf.data() + r0 * C * 16, C * 16, D, fscale, s + r0 * ns,
                                           ns);
           }
-        }
+        });
       }
       if (item + 1 < i1) prefetch_first_keys(item + 1);
 #if defined(PAGODA_ISA_AVX512_BF16)
@@ -706,9 +812,9 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
       }
       const VRows<E> rows{vc, offsets.data(), D, start, len};
       const OutRows<E> out_rows{op + (first * H + h * G) * D, G, H * D, D};
-      // Several score rows take passes of at most 4 vectors (more rows per V load); one or two
-      // take the whole head per pass (each V row read once).
-      const int pass = R >= rows_per_tile(4) ? std::min(kPassVecs, 4) : kPassVecs;
+      // Rows that fit one tile of kPassVecs take the widest passes (each V row read fewest times),
+      // more take narrow ones (more rows per V load).
+      const int pass = R > rows_per_tile(kPassVecs) ? kNarrowPass : kPassVecs;
       for (int64_t d0 = 0; d0 < D; d0 += 16 * pass) {
         const int c = static_cast<int>(std::min<int64_t>(pass, (D - d0 + 15) / 16));
         accumulate_pass<kPassVecs>(c, rows, d0, scores.data(), ns, inv_sum.data(), R, out_rows);
