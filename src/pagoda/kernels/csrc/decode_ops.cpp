@@ -419,6 +419,63 @@ inline void transpose16_bf16(const __m256i r[16], VecF v[16]) {
 }
 #endif
 
+// 16 positions' K rows of one group (16 values, or 16 bf16 pairs as 32-bit lanes) on their way
+// into kt: loaded row by row (`clear` for positions past the end), then transposed so that
+// vector i holds element i of every row. On avx2 a bf16 group stays 16-bit until after the
+// transpose (transpose16_bf16); every other case widens as it loads and transposes fp32 lanes
+// (transpose16). Both give the same vectors.
+template <class E>
+struct KBlock {
+#if defined(PAGODA_AVX512)
+  static constexpr bool kNarrow = false;
+#else
+  static constexpr bool kNarrow = std::is_same_v<E, uint16_t>;
+  __m256i rows[16];
+#endif
+  VecF v[16];
+
+  __attribute__((always_inline)) void clear(int64_t j) {
+#if !defined(PAGODA_AVX512)
+    if constexpr (kNarrow) {
+      rows[j] = _mm256_setzero_si256();
+      return;
+    }
+#endif
+    v[j] = zero();
+  }
+  // Row j from `krow`: `n` valid lanes (all 16 when `full`; `m` masks them), as bf16 pairs if `pairs`.
+  __attribute__((always_inline)) void load_row(int64_t j, const E* krow, bool full, int64_t n, const Mask& m, bool pairs) {
+#if !defined(PAGODA_AVX512)
+    if constexpr (kNarrow) {
+      if (full) {
+        rows[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow));
+      } else {  // the tail group: its valid values through a zeroed buffer
+        alignas(32) uint16_t buf[16] = {};
+        std::memcpy(buf, krow, static_cast<size_t>(n) * sizeof(uint16_t));
+        rows[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+      }
+      return;
+    }
+#endif
+    if (pairs) {
+      const float* k2 = reinterpret_cast<const float*>(krow);
+      v[j] = full ? load(k2) : load(k2, m);
+    } else {
+      v[j] = full ? load_elems(krow) : load_elems(krow, m);
+    }
+  }
+  __attribute__((always_inline)) const VecF* transposed() {
+#if !defined(PAGODA_AVX512)
+    if constexpr (kNarrow) {
+      transpose16_bf16(rows, v);
+      return v;
+    }
+#endif
+    transpose16(v);
+    return v;
+  }
+};
+
 // The largest score of s[lo, hi), in every lane (a softmax row's shift).
 inline VecF row_max(const float* s, int64_t lo, int64_t hi) {
   VecF mx = set1(-INFINITY);
@@ -693,22 +750,10 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
             const int64_t e0 = c * group_elems;
             const bool line = e0 * static_cast<int64_t>(sizeof(E)) % 64 == 0, full = lanes - c * 16 >= 16;
             const Mask m = tail_mask(lanes - c * 16);
-            VecF v[16];
-#if !defined(PAGODA_AVX512)
-            constexpr bool narrow = std::is_same_v<E, uint16_t>;  // bf16 K: transposed as 16-bit values
-            __m256i r[16];
-#else
-            constexpr bool narrow = false;
-#endif
+            KBlock<E> kb;
             for (int64_t j = 0; j < 16; ++j) {
               if (j >= valid) {
-#if !defined(PAGODA_AVX512)
-                if constexpr (narrow) {
-                  r[j] = _mm256_setzero_si256();
-                  continue;
-                }
-#endif
-                v[j] = zero();
+                kb.clear(j);
                 continue;
               }
               const int64_t t = tb + j;
@@ -717,34 +762,9 @@ at::Tensor paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
                 _mm_prefetch(reinterpret_cast<const char*>(vc + off[t] + e0), _MM_HINT_T1);
                 if (t + kPosBlock < len) _mm_prefetch(reinterpret_cast<const char*>(kc + off[t + kPosBlock] + e0), _MM_HINT_T0);
               }
-#if !defined(PAGODA_AVX512)
-              if constexpr (narrow) {
-                if (full) {
-                  r[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow));
-                } else {  // the tail group: its valid values through a zeroed buffer
-                  alignas(32) uint16_t buf[16] = {};
-                  std::memcpy(buf, krow, static_cast<size_t>(lanes - c * 16) * sizeof(uint16_t));
-                  r[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
-                }
-                continue;
-              }
-#endif
-              if (pairs) {
-                const float* k2 = reinterpret_cast<const float*>(krow);
-                v[j] = full ? load(k2) : load(k2, m);
-              } else {
-                v[j] = full ? load_elems(krow) : load_elems(krow, m);
-              }
+              kb.load_row(j, krow, full, lanes - c * 16, m, pairs);
             }
-#if !defined(PAGODA_AVX512)
-            if constexpr (narrow) {
-              transpose16_bf16(r, v);
-            } else {
-              transpose16(v);
-            }
-#else
-            transpose16(v);
-#endif
+            const VecF* v = kb.transposed();
             for (int64_t i = 0; i < 16; ++i) store(ktp + (c * 16 + i) * kPosBlock + half * 16, v[i]);
           }
         }
