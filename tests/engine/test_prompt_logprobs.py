@@ -131,6 +131,36 @@ def test_batched_with_ordinary_requests_n_and_preemption(tiny_model_dirs):
         assert_clean(llm)
 
 
+@pytest.mark.parametrize("slice_rows", [16, 23])
+def test_logits_in_slices_beside_sampling_rows(tiny_model_dirs, monkeypatch, slice_rows):
+    """Prompt-logprob rows go through the LM head in slices of a bounded size (first beside the
+    step's sampling rows as far as one slice allows, then alone): with slices of 16 / 23 rows, a
+    batch of ordinary requests and prompts of up to 90 scored rows still matches transformers."""
+    from pagoda.worker import model_runner
+
+    path = tiny_model_dirs["Qwen2ForCausalLM"]
+    vocab = AutoModelForCausalLM.from_pretrained(path).config.vocab_size
+    monkeypatch.setattr(model_runner, "_PROMPT_LOGITS_BYTES", slice_rows * 4 * vocab)
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, block_size=4)
+    assert llm.engine.core.runner._prompt_logit_rows == max(16, slice_rows)
+    ps = prompts(6, seed=11, lo=20, hi=90)
+    params = [
+        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=(0, 2, None)[i % 3])
+        for i in range(len(ps))
+    ]
+    outs = llm.generate(ps, params)
+    plain = LLM(path, dtype="float32", block_size=4, num_kv_blocks=256).generate(
+        ps, SamplingParams(temperature=0, max_tokens=2)
+    )
+    for p, sp, out, ref in zip(ps, params, outs, plain, strict=True):
+        if sp.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+        else:
+            check_entries(path, p, out.prompt_logprobs, sp.prompt_logprobs)
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert_clean(llm)
+
+
 def test_streaming_outputs_carry_prompt_logprobs_once(tiny_model_dirs):
     path = tiny_model_dirs["LlamaForCausalLM"]
     llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=4)

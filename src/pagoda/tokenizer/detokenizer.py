@@ -56,9 +56,12 @@ class IncrementalDetokenizer:
             if skip_special_tokens
             else frozenset()
         )
-        # window[:read] is context whose text was emitted already; window[read:] is pending.
-        self._window: list[int] = self._prompt_context(prompt_token_ids)
-        self._read = len(self._window)
+        # window[:read] is context whose text was emitted already; window[read:] is pending. Trimming
+        # the prompt's last tokens to character boundaries decodes them, so it waits for the first
+        # output (a prompt-only request, as a select's scoring ones, never has any).
+        self._untrimmed: list[int] | None = self._prompt_tokens(prompt_token_ids)
+        self._window: list[int] = []
+        self._read = 0
         self._prefix_text: str | None = None
         self._finished = False
 
@@ -66,6 +69,7 @@ class IncrementalDetokenizer:
         """Appends output token ids and returns the newly completed text (possibly empty)."""
         if self._finished:
             raise ValueError("IncrementalDetokenizer.add() called after flush()")
+        self._start()
         added = False
         for tid in new_token_ids:
             if tid < 0:
@@ -131,7 +135,8 @@ class IncrementalDetokenizer:
             return ""
         return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
-    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+    def _prompt_tokens(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The prompt's last _CONTEXT_TOKENS ids that decode to text."""
         context: list[int] = []
         for tid in reversed(prompt_token_ids):
             if len(context) == _CONTEXT_TOKENS:
@@ -139,7 +144,14 @@ class IncrementalDetokenizer:
             if 0 <= tid < self._vocab_size and tid not in self._skipped_ids:
                 context.append(tid)
         context.reverse()
-        return self._trim_context(context)
+        return context
+
+    def _start(self) -> None:
+        """The window's context: the prompt's last tokens on character boundaries (once)."""
+        if self._untrimmed is not None:
+            self._window = self._trim_context(self._untrimmed)
+            self._read = len(self._window)
+            self._untrimmed = None
 
     def _trim_context(self, context: list[int]) -> list[int]:
         """The last few tokens of ``context``, starting and ending on character boundaries (or none)."""
