@@ -134,8 +134,15 @@ class RadixCache:
         (block id, tokens matched), fewer than a block; None if none agrees on its first token.
         The block is shared: copy it before writing."""
         want = tuple(tokens[: self.block_size])
+        if not want:
+            return None
+        first = want[0]
         best, best_len = None, 0
+        # (A node can hold hundreds of tails, a select's for instance: the first token rules out
+        # most of them without the call.)
         for key, child in node.children.items():
+            if key[0] != first:
+                continue
             n = _common_len(key, want)
             if n > best_len:
                 best, best_len = child, n
@@ -173,7 +180,7 @@ class RadixCache:
         if not 0 < len(key) < self.block_size:
             raise ValueError(f"a tail holds 1 to {self.block_size - 1} tokens, got {len(key)}")
         for child_key, child in node.children.items():
-            if child_key[: len(key)] == key:
+            if child_key[0] == key[0] and child_key[: len(key)] == key:
                 self._touch(child)
                 return
         self._drop_tails_covered_by(node, key)
@@ -235,7 +242,11 @@ class RadixCache:
     def _drop_tails_covered_by(self, node: Node, key: tuple[int, ...]) -> None:
         """Forget `node`'s tails whose tokens `key` starts with: a block cached under `key` holds
         their KV too."""
-        for tail_key in [k for k in node.children if len(k) < self.block_size and key[: len(k)] == k]:
+        first = key[0]
+        covered = [
+            k for k in node.children if k[0] == first and len(k) < self.block_size and key[: len(k)] == k
+        ]
+        for tail_key in covered:
             tail = node.children.pop(tail_key)
             self.pool.decref(tail.blocks)
             self.evictable_blocks -= 1
