@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.messages import EngineCoreRequest
@@ -139,7 +139,7 @@ def test_logits_in_slices_beside_sampling_rows(tiny_model_dirs, monkeypatch, sli
     from pagoda.worker import model_runner
 
     path = tiny_model_dirs["Qwen2ForCausalLM"]
-    vocab = AutoModelForCausalLM.from_pretrained(path).config.vocab_size
+    vocab = AutoConfig.from_pretrained(path).vocab_size
     monkeypatch.setattr(model_runner, "_PROMPT_LOGITS_BYTES", slice_rows * 4 * vocab)
     llm = LLM(path, dtype="float32", num_kv_blocks=256, block_size=4)
     assert llm.engine.core.runner._prompt_logit_rows == max(16, slice_rows)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from itertools import pairwise
 
 import torch
 
@@ -179,16 +178,16 @@ class ModelRunner:
         targets = [t for req, pos, _, count in spans for t in req.token_ids[pos : pos + count]]
         ks = [req.params.prompt_logprobs for req, _, _, count in spans for _ in range(count)]
         entries: list[dict[int, Logprob]] = []
-        bounds = [0, *range(len(head), len(rows), self._prompt_logit_rows), len(rows)]
-        for off, end in pairwise(bounds):
-            if off == end:
-                continue
-            if end <= len(head):
-                logits = head[off:end]
+        off = 0
+        while off < len(rows):
+            if off < len(head):  # the first rows: `head` holds them all
+                end, logits = len(head), head
             else:
+                end = min(off + self._prompt_logit_rows, len(rows))
                 logits = self.executor.compute_logits(torch.tensor(rows[off:end], dtype=torch.int64))
             ids = torch.tensor(targets[off:end], device=self.device)
             entries.extend(prompt_logprobs(logits, ids, tuple(ks[off:end])))
+            off = end
         result = {}
         offset = 0
         for req, pos, _, count in spans:
