@@ -168,6 +168,18 @@ def test_next_token_ids_score_the_token_after_the_prompt(tiny_model_dirs):
     assert mixed[0].outputs[0].token_ids == alone
     for t, lp in mixed[1].next_token_logprobs.items():
         assert abs(lp.logprob - ref[t].item()) < 1e-4
+    # Several in one step, asking different numbers of ids: each row is scored as if alone.
+    others = prompts(3, seed=10, lo=5, hi=30)
+    asked = [[5], targets, list(range(40, 0, -3))]
+    before = len(rows)
+    batched = llm.generate(others, [SamplingParams(max_tokens=0, next_token_ids=a) for a in asked])
+    assert rows[before:] == [3]  # one step, one LM-head row each
+    for p, a, out_b in zip(others, asked, batched, strict=True):
+        ref_p = hf_logprobs(path, tuple(p))[-1]
+        assert set(out_b.next_token_logprobs) == set(a)
+        for t, lp in out_b.next_token_logprobs.items():
+            assert abs(lp.logprob - ref_p[t].item()) < 1e-4
+            assert lp.rank == int((ref_p > ref_p[t]).sum()) + 1
     with pytest.raises(ValueError, match="next_token_ids needs max_tokens 0"):
         SamplingParams(max_tokens=1, next_token_ids=[1])
     with pytest.raises(ValueError, match="next_token_ids must be a list of 1 to 256"):

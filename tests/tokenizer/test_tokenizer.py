@@ -583,3 +583,17 @@ def test_output_text_state_streamed_equals_unstreamed(
     whole = OutputTextState(tok, [], stop=stops, include_stop_str_in_output=include)
     assert whole.add(ids, finished=True) == ("".join(deltas), hit)
     assert ("".join(deltas), hit) == _reference_stop(text, stops, include)
+
+
+def test_detokenizer_sees_special_tokens_added_later(model_dir: Path) -> None:
+    """The special ids are read once per tokenizer, and again once tokens were added to it."""
+    tokenizer = load_tokenizer(str(model_dir))
+    ids = _encode(tokenizer, "ab")
+    before = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True)
+    assert before.add(ids + [tokenizer.convert_tokens_to_ids("<|im_end|>")]) + before.flush() == "ab"
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|late|>"]})
+    late = tokenizer.convert_tokens_to_ids("<|late|>")
+    after = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True)
+    assert after.add(ids + [late]) + after.flush() == "ab"
+    kept = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    assert kept.add(ids + [late]) + kept.flush() == "ab<|late|>"

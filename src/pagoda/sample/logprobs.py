@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,14 +86,27 @@ def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> list[dict[i
     return [{t: Logprob(v, rank=r)} for t, v, r in zip(targets.tolist(), values, ranks, strict=True)]
 
 
-def next_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> dict[int, Logprob]:
-    """logits: [V], one row; the logprob and rank of each of `token_ids` (distinct or not) there,
-    by the same arithmetic as a prompt token's (the logit less the row's log-sum-exp)."""
-    x = logits.float()
-    values = x[token_ids]
-    lse = torch.logsumexp(x, dim=-1)
-    ranks = (x[None, :] > values[:, None]).sum(dim=-1) + 1
-    return {
-        t: Logprob(v, rank=r)
-        for t, v, r in zip(token_ids.tolist(), (values - lse).tolist(), ranks.tolist(), strict=True)
-    }
+# Elements of the rank comparison per slice of next_token_logprobs (rows x ids x vocabulary).
+_RANK_ELEMENTS = 1 << 23
+
+
+def next_token_logprobs(logits: torch.Tensor, token_ids: Sequence[Sequence[int]]) -> list[dict[int, Logprob]]:
+    """logits: [N, V], one row per request; token_ids: the ids (distinct or not, at least one)
+    each row asks for. For each row, the logprob and rank of each of its ids there, by the same
+    arithmetic as a prompt token's (the logit less the row's log-sum-exp). Rows go in slices,
+    padded to the widest row's ids, so the [rows, ids, V] comparison stays bounded."""
+    width = max(map(len, token_ids), default=1)
+    per_slice = max(1, _RANK_ELEMENTS // (width * logits.shape[-1]))
+    result: list[dict[int, Logprob]] = []
+    for start in range(0, len(token_ids), per_slice):
+        asked = token_ids[start : start + per_slice]
+        padded = [list(ids) + [ids[0]] * (width - len(ids)) for ids in asked]
+        x = logits[start : start + len(asked)].float()
+        values = x.gather(1, torch.tensor(padded, device=x.device))
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        ranks = ((x[:, None, :] > values[:, :, None]).sum(dim=-1) + 1).tolist()
+        for ids, row_values, row_ranks in zip(asked, (values - lse).tolist(), ranks, strict=True):
+            result.append(
+                {t: Logprob(v, rank=r) for t, v, r in zip(ids, row_values, row_ranks, strict=False)}
+            )
+    return result

@@ -8,6 +8,7 @@ sentencepiece ``▁`` token, byte-level tokens that split a character) come out 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
@@ -21,6 +22,19 @@ _BOUNDARY_SEARCH_TOKENS = 4
 # Above this many pending tokens the output is not valid UTF-8 (or carries no text): emit what decode
 # gives and restart the window, so a broken stream cannot make each step slower than the last.
 _MAX_PENDING_TOKENS = 32
+# A tokenizer's special ids, built once per tokenizer (Llama 3 has 256 added tokens), not per request;
+# kept with the vocabulary size they were read at, so tokens added later are seen.
+_SPECIAL_IDS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, tuple[int, frozenset[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _special_ids(tokenizer: PreTrainedTokenizerBase, backend, vocab_size: int) -> frozenset[int]:
+    size, ids = _SPECIAL_IDS.get(tokenizer, (-1, frozenset()))
+    if size != vocab_size:
+        ids = frozenset(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        _SPECIAL_IDS[tokenizer] = (vocab_size, ids)
+    return ids
 
 
 class IncrementalDetokenizer:
@@ -51,10 +65,8 @@ class IncrementalDetokenizer:
         self._backend = backend
         self._skip_special_tokens = skip_special_tokens
         self._vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
-        self._skipped_ids: frozenset[int] = (
-            frozenset(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
-            if skip_special_tokens
-            else frozenset()
+        self._skipped_ids = (
+            _special_ids(tokenizer, backend, self._vocab_size) if skip_special_tokens else frozenset()
         )
         # window[:read] is context whose text was emitted already; window[read:] is pending. Trimming
         # the prompt's last tokens to character boundaries decodes them, so it waits for the first

@@ -125,10 +125,9 @@ class ModelRunner:
         if scored:
             output.prompt_logprobs = self._prompt_logprobs(scored, logits[num_head:])
         if nexts:
-            next_rows = logits[num_sampling:num_head]  # (`rows` are the sampling rows' params)
-            for i, req in enumerate(nexts):
-                ids = torch.tensor(req.params.next_token_ids, device=next_rows.device)
-                output.next_token_logprobs[req.request_id] = next_token_logprobs(next_rows[i], ids)
+            asked = [req.params.next_token_ids for req in nexts]
+            entries = next_token_logprobs(logits[num_sampling:num_head], asked)
+            output.next_token_logprobs = {req.request_id: e for req, e in zip(nexts, entries, strict=True)}
         logits = logits[:num_sampling]
         if not sampling:
             return output
