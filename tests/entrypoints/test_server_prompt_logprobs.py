@@ -213,6 +213,7 @@ def test_completions_prompt_only(pagoda_server, served_model, reference):
     assert choice["text"] == "" and choice["finish_reason"] == "length" and choice["logprobs"] is None
     assert scored["usage"]["completion_tokens"] == 0 and scored["usage"]["prompt_tokens"] == len(ids)
     check_vllm_entries(reference, ids, choice["prompt_logprobs"], 1)
+    assert "prompt_logprobs_start" not in choice  # logprob_start_char's alone
     longer = prompt + " And then more."
     _post(pagoda_server, "/reset_prefix_cache", {})
     plain = _post(pagoda_server, "/v1/completions", {**body, "prompt": longer}).json()

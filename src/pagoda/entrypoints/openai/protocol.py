@@ -606,7 +606,8 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobsOut | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
     token_ids: list[int] | None = None  # with return_token_ids
-    prompt_logprobs_start: int | None = None  # with logprob_start_char: prompt_logprobs[0]'s position
+    # With logprob_start_char only (absent otherwise): prompt_logprobs[0]'s position.
+    prompt_logprobs_start: int | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):
