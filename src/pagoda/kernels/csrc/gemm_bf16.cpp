@@ -35,10 +35,12 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "vec.h"
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -410,46 +412,49 @@ void run(const T* x, int64_t ldx, int64_t M, int64_t K, const Wt* w, int64_t pan
   }
   chunks = std::min(chunks, units);
   const int64_t tasks = static_cast<int64_t>(groups.size()) * chunks;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+  // parallel.h: a thread done with its share helps the others. A thread's `buffer` holds the rows
+  // of group `held.second` of call `held.first` (calls numbered, so no other call's rows count).
+  static std::atomic<uint64_t> calls{0};
+  const uint64_t call = calls.fetch_add(1, std::memory_order_relaxed);
+  run_shares(even_shares(tasks), [&](size_t task) {
     thread_local std::vector<X> buffer;
-    int64_t converted = -1;  // the group whose rows `buffer` holds
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t g = t / chunks, c = t % chunks;
-      const auto [b0, b1] = groups[g];
-      const int64_t row0 = blocks[b0].first;
-      const X* xg;
-      int64_t ldg;
-      // x is read in place when it already has the kernel's type (and, for bf16 pairs, even K).
-      if (std::is_same_v<T, X> && (std::is_same_v<X, float> || K % 2 == 0)) {
-        xg = reinterpret_cast<const X*>(x) + row0 * ldx;
-        ldg = ldx;
-      } else {
-        const int64_t rows = blocks[b1 - 1].first + blocks[b1 - 1].second - row0;
-        ldg = std::is_same_v<X, float> ? K : 2 * K2;
-        if (converted != g) {
-          buffer.resize(static_cast<size_t>(rows * ldg));
-          for (int64_t r = 0; r < rows; ++r) {
-            if constexpr (std::is_same_v<X, float>) {
-              if constexpr (!std::is_same_v<T, float>) widen_row(x + (row0 + r) * ldx, buffer.data() + r * ldg, K);
-            } else {
-              std::memcpy(buffer.data() + r * ldg, x + (row0 + r) * ldx, static_cast<size_t>(K) * sizeof(uint16_t));
-              if (K % 2) buffer[r * ldg + K] = 0;  // the zero partner of the last k
-            }
+    thread_local std::pair<uint64_t, int64_t> held{~uint64_t{0}, -1};
+    const auto t = static_cast<int64_t>(task);
+    const int64_t g = t / chunks, c = t % chunks;
+    const auto [b0, b1] = groups[g];
+    const int64_t row0 = blocks[b0].first;
+    const X* xg;
+    int64_t ldg;
+    // x is read in place when it already has the kernel's type (and, for bf16 pairs, even K).
+    if (std::is_same_v<T, X> && (std::is_same_v<X, float> || K % 2 == 0)) {
+      xg = reinterpret_cast<const X*>(x) + row0 * ldx;
+      ldg = ldx;
+    } else {
+      const int64_t rows = blocks[b1 - 1].first + blocks[b1 - 1].second - row0;
+      ldg = std::is_same_v<X, float> ? K : 2 * K2;
+      if (held != std::pair{call, g}) {
+        buffer.resize(static_cast<size_t>(rows * ldg));
+        for (int64_t r = 0; r < rows; ++r) {
+          if constexpr (std::is_same_v<X, float>) {
+            if constexpr (!std::is_same_v<T, float>) widen_row(x + (row0 + r) * ldx, buffer.data() + r * ldg, K);
+          } else {
+            std::memcpy(buffer.data() + r * ldg, x + (row0 + r) * ldx, static_cast<size_t>(K) * sizeof(uint16_t));
+            if (K % 2) buffer[r * ldg + K] = 0;  // the zero partner of the last k
           }
-          converted = g;
         }
-        xg = buffer.data();
+        held = {call, g};
       }
-      const int64_t p_begin = c * units / chunks * unit, p_end = (c + 1) * units / chunks * unit;
-      // Panels outer, row blocks inner; a single block streams the whole chunk at once. Several
-      // blocks take two panels (32 columns) at a time: their full-height tiles are two panels
-      // wide, and the pair is reused from L1/L2 by every block.
-      const int64_t step = b1 - b0 == 1 ? p_end - p_begin : 2;
-      for (int64_t p = p_begin; p < p_end; p += step) {
-        for (size_t b = b0; b < b1; ++b) {
-          const auto [row, rows] = blocks[b];
-          kBlockFns<X, Wt>[rows - 1](xg + (row - row0) * ldg, ldg, w, K, o, row, p, std::min(p + step, p_end), panels);
-        }
+      xg = buffer.data();
+    }
+    const int64_t p_begin = c * units / chunks * unit, p_end = (c + 1) * units / chunks * unit;
+    // Panels outer, row blocks inner; a single block streams the whole chunk at once. Several
+    // blocks take two panels (32 columns) at a time: their full-height tiles are two panels
+    // wide, and the pair is reused from L1/L2 by every block.
+    const int64_t step = b1 - b0 == 1 ? p_end - p_begin : 2;
+    for (int64_t p = p_begin; p < p_end; p += step) {
+      for (size_t b = b0; b < b1; ++b) {
+        const auto [row, rows] = blocks[b];
+        kBlockFns<X, Wt>[rows - 1](xg + (row - row0) * ldg, ldg, w, K, o, row, p, std::min(p + step, p_end), panels);
       }
     }
   });

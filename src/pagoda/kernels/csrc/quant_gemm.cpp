@@ -26,6 +26,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "quant_layout.h"
 #include "vec.h"
 
@@ -542,42 +543,28 @@ void run(const ActBuffers& act, int64_t M, int64_t K, const std::vector<Segment>
   const MicroTable& table = current_dot().table();
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const Plan work = plan(M, K, segs, threads);
-  // Each thread runs its own share front to back, then takes what is left of the others' (from
-  // their fronts), so a thread woken late or slowed by the other core is caught up. `next[i]`
-  // claims share i's tasks one at a time; which thread computes a task never changes its result.
-  struct alignas(64) Cursor {
-    std::atomic<size_t> next;
-  };
-  std::vector<Cursor> next(static_cast<size_t>(threads));
-  for (size_t i = 0; i < next.size(); ++i) next[i].next.store(work.bounds[i], std::memory_order_relaxed);
-  at::parallel_for(0, threads, 1, [&](int64_t i0, int64_t i1) {
+  run_shares(work.bounds, [&](size_t t) {  // parallel.h: a thread done with its share helps the others
     thread_local std::vector<float> scratch;
-    const auto run_share = [&](size_t share) {
-      for (size_t t; (t = next[share].next.fetch_add(1, std::memory_order_relaxed)) < work.bounds[share + 1];) {
-        const Task& task = work.tasks[t];
-        const Segment& s = segs[static_cast<size_t>(task.seg)];
-        const auto [b0, b1] = work.groups[static_cast<size_t>(task.group)];
-        const int64_t row0 = work.blocks[b0].first, rows = work.blocks[b1 - 1].first + work.blocks[b1 - 1].second - row0;
-        scratch.resize(static_cast<size_t>(rows * 2 * kTileRows));
-        const auto& fns = table[type_index(s.qtype)];
-        for (int64_t p = task.pair0; p < task.pair1; ++p) {
-          for (int half = 0; half < 2; ++half) {
-            const int64_t tile = 2 * p + half;
-            const TileArgs w{s.values + s.at.value_at(tile), s.scales + s.at.scale_at(tile), s.at.value_tile,
-                             s.at.scale_tile, s.at.value_group, s.at.scale_group, s.inline_scales,
-                             s.inline_scales && half == 0 ? s.scales + s.at.scale_at(tile) : nullptr};
-            for (size_t b = b0; b < b1; ++b) {
-              const auto [row, n] = work.blocks[b];
-              if (half % tiles_per_call(layout(s.qtype), n) != 0) continue;  // the first call took both tiles
-              fns[n - 1](w, x, row, scratch.data() + (row - row0) * 2 * kTileRows + half * kTileRows, 2 * kTileRows);
-            }
-          }
-          finish(o, s, p, row0, rows, scratch.data());
+    const Task& task = work.tasks[t];
+    const Segment& s = segs[static_cast<size_t>(task.seg)];
+    const auto [b0, b1] = work.groups[static_cast<size_t>(task.group)];
+    const int64_t row0 = work.blocks[b0].first, rows = work.blocks[b1 - 1].first + work.blocks[b1 - 1].second - row0;
+    scratch.resize(static_cast<size_t>(rows * 2 * kTileRows));
+    const auto& fns = table[type_index(s.qtype)];
+    for (int64_t p = task.pair0; p < task.pair1; ++p) {
+      for (int half = 0; half < 2; ++half) {
+        const int64_t tile = 2 * p + half;
+        const TileArgs w{s.values + s.at.value_at(tile), s.scales + s.at.scale_at(tile), s.at.value_tile,
+                         s.at.scale_tile, s.at.value_group, s.at.scale_group, s.inline_scales,
+                         s.inline_scales && half == 0 ? s.scales + s.at.scale_at(tile) : nullptr};
+        for (size_t b = b0; b < b1; ++b) {
+          const auto [row, n] = work.blocks[b];
+          if (half % tiles_per_call(layout(s.qtype), n) != 0) continue;  // the first call took both tiles
+          fns[n - 1](w, x, row, scratch.data() + (row - row0) * 2 * kTileRows + half * kTileRows, 2 * kTileRows);
         }
       }
-    };
-    for (int64_t i = i0; i < i1; ++i) run_share(static_cast<size_t>(i));
-    for (int64_t j = 1; j < threads; ++j) run_share(static_cast<size_t>((i1 - 1 + j) % threads));
+      finish(o, s, p, row0, rows, scratch.data());
+    }
   });
 }
 
