@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
 _REPLACEMENT_CHAR = "\ufffd"
@@ -29,7 +30,7 @@ _SPECIAL_IDS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, tuple[int, froz
 )
 
 
-def _special_ids(tokenizer: PreTrainedTokenizerBase, backend, vocab_size: int) -> frozenset[int]:
+def _special_ids(tokenizer: PreTrainedTokenizerBase, backend: Tokenizer, vocab_size: int) -> frozenset[int]:
     size, ids = _SPECIAL_IDS.get(tokenizer, (-1, frozenset()))
     if size != vocab_size:
         ids = frozenset(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
