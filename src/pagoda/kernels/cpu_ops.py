@@ -1,6 +1,7 @@
-"""bf16 CPU kernels for the decode path (`csrc/decode_ops.cpp`): RMSNorm with a fused residual
-add, rotary embedding in place, and paged attention for a few query rows per sequence (decodes
-and speculative verification) reading K/V through the block tables.
+"""CPU kernels for the decode path (`csrc/decode_ops.cpp`): RMSNorm with a fused residual add,
+rotary embedding in place, and paged attention for a few query rows per sequence (decodes and
+speculative verification) reading K/V through the block tables; and the logprobs and ranks of
+chosen tokens in rows of logits (`csrc/logprobs.cpp`), as prompt logprobs and select score them.
 
 Each wrapper says with `applies(...)` whether it can take the given tensors (bf16 on the CPU,
 kernels built; `attention_applies` for paged attention, which also takes fp32); callers keep
@@ -86,3 +87,19 @@ def paged_attention(
     return _op("paged_attention")(
         q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window or 0, k, v, slots
     )
+
+
+def logprobs_apply(logits: torch.Tensor) -> bool:
+    """Whether `token_logprobs` takes these logits: on the CPU, kernels built."""
+    return logits.is_cpu and available()
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `logits: [L, V]` (fp32 or bf16) and `ids: [L, W]` int64, each id's logprob in its row
+    (the logit less the row's log-sum-exp, within ~1e-6 of log_softmax) as fp32 `[L, W]`, and
+    its rank (1 + the number of strictly larger logits, exact) as int64 `[L, W]`."""
+    if logits.dtype is not torch.float32:
+        logits = logits.float()
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return _op("token_logprobs")(logits, ids.to(torch.int64).contiguous())

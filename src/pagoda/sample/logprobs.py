@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.kernels import cpu_ops
 from pagoda.outputs import Logprob
 
 
@@ -75,14 +76,18 @@ def prompt_logprobs(
 
 def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> list[dict[int, Logprob]]:
     """The targets' logprobs and ranks alone (prompt_logprobs 0, as select asks): the logit less
-    the row's log-sum-exp, a few rows at a time, instead of a whole [L, V] log_softmax."""
-    values: list[float] = []
-    ranks: list[int] = []
-    for start in range(0, len(targets), _TARGET_ONLY_ROWS):
-        x = logits[start : start + _TARGET_ONLY_ROWS].float()
-        target = x.gather(1, targets[start : start + _TARGET_ONLY_ROWS, None])
-        values += (target - torch.logsumexp(x, dim=-1, keepdim=True))[:, 0].tolist()
-        ranks += ((x > target).sum(dim=-1) + 1).tolist()
+    the row's log-sum-exp, in one native pass over the rows where the kernels run, else a few
+    rows at a time, instead of a whole [L, V] log_softmax."""
+    if cpu_ops.logprobs_apply(logits):
+        lp, rank = cpu_ops.token_logprobs(logits, targets[:, None])
+        values, ranks = lp[:, 0].tolist(), rank[:, 0].tolist()
+    else:
+        values, ranks = [], []
+        for start in range(0, len(targets), _TARGET_ONLY_ROWS):
+            x = logits[start : start + _TARGET_ONLY_ROWS].float()
+            target = x.gather(1, targets[start : start + _TARGET_ONLY_ROWS, None])
+            values += (target - torch.logsumexp(x, dim=-1, keepdim=True))[:, 0].tolist()
+            ranks += ((x > target).sum(dim=-1) + 1).tolist()
     return [{t: Logprob(v, rank=r)} for t, v, r in zip(targets.tolist(), values, ranks, strict=True)]
 
 
@@ -93,20 +98,31 @@ _RANK_ELEMENTS = 1 << 23
 def next_token_logprobs(logits: torch.Tensor, token_ids: Sequence[Sequence[int]]) -> list[dict[int, Logprob]]:
     """logits: [N, V], one row per request; token_ids: the ids (distinct or not, at least one)
     each row asks for. For each row, the logprob and rank of each of its ids there, by the same
-    arithmetic as a prompt token's (the logit less the row's log-sum-exp). Rows go in slices,
-    padded to the widest row's ids, so the [rows, ids, V] comparison stays bounded."""
+    arithmetic as a prompt token's (the logit less the row's log-sum-exp). The rows' ids are
+    padded to the widest row's; without the kernels, rows go in slices, so that the [rows, ids,
+    V] comparison stays bounded."""
     width = max(map(len, token_ids), default=1)
+    padded = [list(ids) + [ids[0]] * (width - len(ids)) for ids in token_ids]
+    if cpu_ops.logprobs_apply(logits):
+        values, ranks = cpu_ops.token_logprobs(logits, torch.tensor(padded, dtype=torch.int64))
+        return _entries(token_ids, values.tolist(), ranks.tolist())
     per_slice = max(1, _RANK_ELEMENTS // (width * logits.shape[-1]))
     result: list[dict[int, Logprob]] = []
     for start in range(0, len(token_ids), per_slice):
-        asked = token_ids[start : start + per_slice]
-        padded = [list(ids) + [ids[0]] * (width - len(ids)) for ids in asked]
+        asked = padded[start : start + per_slice]
         x = logits[start : start + len(asked)].float()
-        values = x.gather(1, torch.tensor(padded, device=x.device))
+        values = x.gather(1, torch.tensor(asked, device=x.device))
         lse = torch.logsumexp(x, dim=-1, keepdim=True)
         ranks = ((x[:, None, :] > values[:, :, None]).sum(dim=-1) + 1).tolist()
-        for ids, row_values, row_ranks in zip(asked, (values - lse).tolist(), ranks, strict=True):
-            result.append(
-                {t: Logprob(v, rank=r) for t, v, r in zip(ids, row_values, row_ranks, strict=False)}
-            )
+        result += _entries(token_ids[start : start + len(asked)], (values - lse).tolist(), ranks)
     return result
+
+
+def _entries(
+    token_ids: Sequence[Sequence[int]], values: list[list[float]], ranks: list[list[int]]
+) -> list[dict[int, Logprob]]:
+    """Each row's {id: Logprob} over its own ids (the padding dropped)."""
+    return [
+        {t: Logprob(v, rank=r) for t, v, r in zip(ids, row_values, row_ranks, strict=False)}
+        for ids, row_values, row_ranks in zip(token_ids, values, ranks, strict=True)
+    ]

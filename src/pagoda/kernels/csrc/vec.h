@@ -81,6 +81,10 @@ inline VecF pow2(VecF n) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
 inline VecF select(Mask m, VecF if_true, VecF if_false) { return _mm512_mask_blend_ps(m, if_false, if_true); }
+// counts + 1 in the lanes where a > b (ordered: never where either is NaN).
+inline VecF count_greater(VecF counts, VecF a, VecF b) {
+  return _mm512_mask_add_ps(counts, _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), counts, _mm512_set1_ps(1.0f));
+}
 
 inline VecF load(const float* p) { return _mm512_loadu_ps(p); }
 inline VecF load(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }  // other lanes 0
@@ -214,6 +218,11 @@ inline VecF pow2(VecF n) { return {pow2_half(n.lo), pow2_half(n.hi)}; }
 inline VecF select(const Mask& m, VecF if_true, VecF if_false) {
   return {_mm256_blendv_ps(if_false.lo, if_true.lo, _mm256_castsi256_ps(m.lo)),
           _mm256_blendv_ps(if_false.hi, if_true.hi, _mm256_castsi256_ps(m.hi))};
+}
+inline VecF count_greater(VecF counts, VecF a, VecF b) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return {_mm256_add_ps(counts.lo, _mm256_and_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ), one)),
+          _mm256_add_ps(counts.hi, _mm256_and_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_GT_OQ), one))};
 }
 
 inline VecF load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
