@@ -102,6 +102,12 @@ class EngineArgs:
     distributed_timeout: float = arg(
         60.0, help="seconds a rank waits for the others to join, or for one collective, before failing"
     )
+    step_log: str | None = arg(
+        None,
+        help="append one JSON line per engine step to FILE (its time, duration, requests and tokens)",
+        metavar="FILE",
+        default_text="off",
+    )
     # Limits on every size a request can choose (n, stop strings, grammar size, ...): see limits.py.
     # Its fields are flags of `pagoda serve` themselves (--max-n, ...).
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -149,6 +155,10 @@ class EngineArgs:
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
         self.parallel_config()  # the tensor-parallel settings' own checks
+        if self.step_log is not None and (not isinstance(self.step_log, str) or not self.step_log):
+            raise ValueError(f"step_log must be a file path, got {self.step_log!r}")
+        if self.step_log is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.step_log))):
+            raise ValueError(f"step_log {self.step_log!r}: its folder does not exist")
         if not isinstance(self.limits, RequestLimits):
             raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
         # The scheduler's own checks, before the model loads (the context length is not known yet).
@@ -412,6 +422,7 @@ class EngineConfig:
     # Check the KV block accounting after every step, not only when the engine goes idle (a debug
     # switch: PAGODA_CHECK_INVARIANTS=1; the test suite turns it on).
     check_invariants: bool = False
+    step_log: str | None = None  # EngineArgs.step_log: the engine core appends a line per step
 
     @property
     def max_model_len(self) -> int:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 from pagoda.cache.kv_manager import KVCacheManager
 from pagoda.config import EngineConfig
 from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, FinishReason
+from pagoda.engine.step_log import StepLog, StepShape
 from pagoda.outputs import Logprob, PromptLogprobs
 from pagoda.request import Request
 from pagoda.sample.metadata import make_generator
@@ -37,6 +39,9 @@ class EngineCore:
         self, config: EngineConfig, grammar_factory: Callable[[], GrammarManager] | None = None
     ) -> None:
         self.config = config
+        # --step-log: one JSON line per step (the loop thread writes it; closed by shutdown).
+        # Opened first, so that a path it cannot write fails before the model loads.
+        self.step_log = StepLog(config.step_log) if config.step_log is not None else None
         self.device = config.model.device
         # One rank in this process, or rank 0 of a tensor-parallel group (the others spawned here
         # or on other nodes); either way this process schedules and samples.
@@ -156,6 +161,7 @@ class EngineCore:
 
     # ---- the loop --------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        began, clock = time.time(), time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -163,6 +169,7 @@ class EngineCore:
                     f"the scheduler cannot start {self.scheduler.waiting[0]} with an idle engine"
                 )
             return []
+        shape = StepShape.of(sched) if self.step_log is not None else None
         result = self.runner.execute(
             sched, self._grammar_masks(sched), self.drafter.draft_probs(sched.scheduled)
         )
@@ -216,6 +223,15 @@ class EngineCore:
             logger.warning("request %s failed: %s", rid, why)
             outputs.extend(self.abort_requests([rid], "error", error=why))
         self._after_change()
+        if self.step_log is not None:
+            self.step_log.record(
+                began,
+                time.perf_counter() - clock,
+                sched,
+                shape,
+                len(self.scheduler.running),
+                len(self.scheduler.waiting),
+            )
         return outputs
 
     def _after_change(self) -> None:
@@ -270,8 +286,11 @@ class EngineCore:
         return self.kv.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        """Stop the other tensor-parallel ranks, if any, and close the step log (idempotent)."""
         self.executor.shutdown()
+        if self.step_log is not None:
+            self.step_log.close()
+            self.step_log = None
 
     def check_invariants(self) -> None:
         self.scheduler.check()

@@ -104,6 +104,7 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         parallel=parallel,
         prediction_max_running=prediction_max_running,
         check_invariants=os.environ.get("PAGODA_CHECK_INVARIANTS", "") not in ("", "0"),
+        step_log=args.step_log,
     )
 
 
