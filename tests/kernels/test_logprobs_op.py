@@ -91,7 +91,7 @@ def test_fallback_agrees_with_the_kernel(variant: str, monkeypatch: pytest.Monke
         sample_logprobs.next_token_logprobs(x, asked),
     )
     monkeypatch.setattr(cpu_ops, "available", lambda: False)
-    assert not cpu_ops.logprobs_apply(x)
+    assert not cpu_ops.logprobs_applies(x)
     torch_path = (
         sample_logprobs.prompt_logprobs(x, targets, (0,) * 40),
         sample_logprobs.next_token_logprobs(x, asked),

@@ -16,6 +16,7 @@ from pagoda.kernels.build import available
 from pagoda.kernels.build import op as _op
 
 _BF16 = torch.bfloat16
+_MAX_LOGPROB_ROW = 1 << 24  # csrc/logprobs.cpp's limit
 
 
 def applies(*tensors: torch.Tensor) -> bool:
@@ -89,15 +90,17 @@ def paged_attention(
     )
 
 
-def logprobs_apply(logits: torch.Tensor) -> bool:
-    """Whether `token_logprobs` takes these logits: on the CPU, kernels built."""
-    return logits.is_cpu and available()
+def logprobs_applies(logits: torch.Tensor) -> bool:
+    """Whether `token_logprobs` takes these logits: on the CPU, rows shorter than 2^24 (its
+    counts are fp32 lanes), kernels built."""
+    return logits.is_cpu and logits.shape[-1] < _MAX_LOGPROB_ROW and available()
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For `logits: [L, V]` (fp32 or bf16) and `ids: [L, W]` int64, each id's logprob in its row
     (the logit less the row's log-sum-exp, within ~1e-6 of log_softmax) as fp32 `[L, W]`, and
-    its rank (1 + the number of strictly larger logits, exact) as int64 `[L, W]`."""
+    its rank (1 + the number of strictly larger logits, exact) as int64 `[L, W]`. The logits
+    must be finite (raw LM-head outputs): a NaN gives unspecified values in its row."""
     if logits.dtype is not torch.float32:
         logits = logits.float()
     if logits.stride(-1) != 1:

@@ -76,9 +76,9 @@ def prompt_logprobs(
 
 def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> list[dict[int, Logprob]]:
     """The targets' logprobs and ranks alone (prompt_logprobs 0, as select asks): the logit less
-    the row's log-sum-exp, in one native pass over the rows where the kernels run, else a few
+    the row's log-sum-exp, natively where the kernels run (two passes over each row), else a few
     rows at a time, instead of a whole [L, V] log_softmax."""
-    if cpu_ops.logprobs_apply(logits):
+    if cpu_ops.logprobs_applies(logits):
         lp, rank = cpu_ops.token_logprobs(logits, targets[:, None])
         values, ranks = lp[:, 0].tolist(), rank[:, 0].tolist()
     else:
@@ -103,7 +103,7 @@ def next_token_logprobs(logits: torch.Tensor, token_ids: Sequence[Sequence[int]]
     V] comparison stays bounded."""
     width = max(map(len, token_ids), default=1)
     padded = [list(ids) + [ids[0]] * (width - len(ids)) for ids in token_ids]
-    if cpu_ops.logprobs_apply(logits):
+    if cpu_ops.logprobs_applies(logits):
         values, ranks = cpu_ops.token_logprobs(logits, torch.tensor(padded, dtype=torch.int64))
         return _entries(token_ids, values.tolist(), ranks.tolist())
     per_slice = max(1, _RANK_ELEMENTS // (width * logits.shape[-1]))

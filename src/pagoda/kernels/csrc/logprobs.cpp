@@ -6,7 +6,8 @@
 // Numerics: fp32 logits; the max is exact, the sum of exp(x - max) is fp32 in 4 x 16 lanes in a
 // fixed order (vec.h's exp, relative error ~2e-7), the log-sum-exp max + log(sum) in double; so a
 // logprob is within ~1e-6 of log_softmax's and the same on every variant. A rank is exact:
-// 1 + the number of logits strictly greater than the token's, as torch counts them.
+// 1 + the number of logits strictly greater than the token's, as torch counts them. Logits are
+// the LM head's, finite: a NaN in a row gives unspecified values for that row (no crash).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
