@@ -227,7 +227,6 @@ class EngineCore:
             self.step_log.record(
                 began,
                 time.perf_counter() - clock,
-                sched,
                 shape,
                 len(self.scheduler.running),
                 len(self.scheduler.waiting),

@@ -20,19 +20,25 @@ from pagoda.step import SchedulerOutput
 
 @dataclass(frozen=True)
 class StepShape:
-    """What a step was about to compute, counted before it ran (the update changes it)."""
+    """What a step was about to compute, counted before it ran (the update changes requests)."""
 
+    requests: int
+    tokens: int
     prefill_requests: int  # requests still computing their prompt
     prefill_tokens: int
     prompt_logprob_requests: int  # requests owed prompt logprobs
+    preempted: int
 
     @staticmethod
     def of(sched: SchedulerOutput) -> StepShape:
         chunks = [s for s in sched.scheduled if s.request.num_computed_tokens < s.request.num_prompt_tokens]
         return StepShape(
+            len(sched.scheduled),
+            sched.num_tokens,
             len(chunks),
             sum(s.num_new_tokens for s in chunks),
             sum(s.request.prompt_logprobs_next is not None for s in sched.scheduled),
+            len(sched.preempted),
         )
 
 
@@ -46,25 +52,17 @@ class StepLog:
             raise ValueError(f"cannot open the step log {path!r}: {exc.strerror}") from exc
         self._pid = os.getpid()
 
-    def record(
-        self,
-        start: float,
-        duration_s: float,
-        sched: SchedulerOutput,
-        shape: StepShape,
-        running: int,
-        waiting: int,
-    ) -> None:
+    def record(self, start: float, duration_s: float, shape: StepShape, running: int, waiting: int) -> None:
         line = {
             "time": round(start, 6),
             "duration_ms": round(duration_s * 1e3, 3),
-            "requests": len(sched.scheduled),
-            "tokens": sched.num_tokens,
+            "requests": shape.requests,
+            "tokens": shape.tokens,
             "prefill_requests": shape.prefill_requests,
             "prefill_tokens": shape.prefill_tokens,
-            "decode_requests": len(sched.scheduled) - shape.prefill_requests,
+            "decode_requests": shape.requests - shape.prefill_requests,
             "prompt_logprob_requests": shape.prompt_logprob_requests,
-            "preempted": len(sched.preempted),
+            "preempted": shape.preempted,
             "running": running,
             "waiting": waiting,
             "pid": self._pid,
