@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagoda.kernels import cpu_gemm
+from pagoda.kernels import cpu_gemm, peak
 from pagoda.kernels.build import available, ops, status
 from pagoda.kernels.cpu_gemm import QWEN25_05B_LAYERS, QWEN25_05B_SHAPES, median_time
 from pagoda.kernels.cpu_quant import GROUP_VALUES, SUPPORTED, PackedQuant, dot_kind, linear, pack
@@ -53,7 +53,9 @@ def bench(types: list[str], ms: list[int], rounds: int, per_shape: bool = False)
 
     With one thread the times are process CPU time (others' load on the machine then costs
     little), else wall time. Up to 8 rows, the integer kernel's GB/s is also given as a share of
-    the read bandwidth probe's (same threads and clock): its roofline. With `per_shape`, each
+    the read bandwidth probe's (same threads and clock): its roofline; above 8 rows, where the
+    arithmetic bounds both kernels, their GMAC/s are also given as a share of the compute peak
+    probe's for their instruction (`pagoda.kernels.peak`). With `per_shape`, each
     layer shape is also timed alone (its 24 copies streamed), int and bf16 alternating."""
     if not available():
         raise SystemExit(f"kernels unavailable: {status().reason}")
@@ -66,6 +68,14 @@ def bench(types: list[str], ms: list[int], rounds: int, per_shape: bool = False)
     bandwidth = read_bandwidth(clock) if min(ms) <= 8 else None
     if bandwidth is not None:
         print(f"read bandwidth {bandwidth:.1f} GB/s (best of 5 reads of 256 MiB, same clock)")
+    int_peak = bf16_peak = None
+    if max(ms) > 8:
+        bf16_kind = peak.bf16_kind()
+        int_peak, bf16_peak = peak.measure_gmac_s("int8_dot"), peak.measure_gmac_s(bf16_kind)
+        print(
+            f"compute peak {int_peak:.1f} GMAC/s int8_dot, {bf16_peak:.1f} GMAC/s {bf16_kind} "
+            f"(the bf16 kernel's; best of 5, wall time, {threads} threads)"
+        )
     gen = torch.Generator().manual_seed(0)
     dense = {name: torch.randn(n, k, generator=gen) * 0.02 for name, n, k in SHAPES}
     bf16 = {name: cpu_gemm.pack(w.bfloat16(), swiglu=name == "gate_up") for name, w in dense.items()}
@@ -121,9 +131,12 @@ def bench(types: list[str], ms: list[int], rounds: int, per_shape: bool = False)
             qbytes = sum(p.nbytes for p in quant.values()) * LAYERS
             gb_s = qbytes / tq / 1e9
             roof = f" = {gb_s / bandwidth:4.0%} of the probe" if bandwidth and m <= 8 else ""
+            int_roof = f" = {gmac / tq / int_peak:4.0%} of peak" if int_peak and m > 8 else ""
+            bf16_roof = f" = {gmac / tb / bf16_peak:4.0%} of peak" if bf16_peak and m > 8 else ""
             print(
-                f"{type_name:<5} M={m:<5} int {tq * 1e3:9.2f} ms ({gmac / tq:6.1f} GMAC/s, {gb_s:5.1f} GB/s{roof})  "
-                f"bf16 {tb * 1e3:9.2f} ms ({gmac / tb:6.1f} GMAC/s)  int/bf16 speed x{tb / tq:.2f}",
+                f"{type_name:<5} M={m:<5} int {tq * 1e3:9.2f} ms ({gmac / tq:6.1f} GMAC/s{int_roof}, "
+                f"{gb_s:5.1f} GB/s{roof})  "
+                f"bf16 {tb * 1e3:9.2f} ms ({gmac / tb:6.1f} GMAC/s{bf16_roof})  int/bf16 speed x{tb / tq:.2f}",
                 flush=True,
             )
             if per_shape:
