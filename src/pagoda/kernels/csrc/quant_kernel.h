@@ -112,7 +112,12 @@ void micro(const TileArgs& w, const Acts& x, int64_t row0, float* out, int64_t l
       }
       const uint8_t* vb[NT];
       for (int t = 0; t < NT; ++t) vb[t] = w.values + t * w.value_stride + G * w.value_group + j * lay.block_value_bytes;
-      if (w.inline_scales) {
+      if (w.next != nullptr) {
+        // A later row block: this pair is in cache; fetch this block's lines of the slice of the
+        // next pair the driver gave it, into L2.
+        const int64_t l0 = b * w.next_per_block, l1 = std::min(l0 + w.next_per_block, w.next_lines);
+        for (int64_t l = l0; l < l1; ++l) _mm_prefetch(reinterpret_cast<const char*>(w.next + 64 * l), _MM_HINT_T1);
+      } else if (w.inline_scales) {
         // One sequential stream (the pair's scales and values, pairs one after another). More
         // rows, whose compute runs longer per byte, fetch this block's share kPrefetchBytes ahead
         // into L2; one row does only where kPrefetchOneRow says so.
@@ -125,7 +130,7 @@ void micro(const TileArgs& w, const Acts& x, int64_t row0, float* out, int64_t l
         // Fetch the values kPrefetchBytes ahead into L2, in the order the driver reads them: past
         // a tile's end, the same place of the tile NT further on (the next call's; tiles lie one
         // after another), so each stream stays ahead across calls. (With several row blocks per
-        // tile pair only the first reads from memory; the others' prefetches hit the cache.)
+        // tile pair only the first reads from memory: the later ones fetch the next pair, above.)
         const int64_t skip = b * lay.block_value_bytes + kPrefetchBytes < w.value_stride ? 0 : (NT - 1) * w.value_stride;
         for (int t = 0; t < NT; ++t) {
           const uint8_t* p = vb[t] + skip + kPrefetchBytes;
