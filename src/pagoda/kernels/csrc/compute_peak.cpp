@@ -57,7 +57,7 @@ constexpr int64_t kLanes = 8;
     }                                                                                                      \
   } while (0)
 
-// Multiply-accumulates of one chain step per 32-bit lane.
+// Each *_chains runs the chains and returns the multiply-accumulates of one step per 32-bit lane.
 int64_t fma_chains(int64_t steps) {
 #if defined(PAGODA_AVX512)
   const FReg m = _mm512_set1_ps(1.0f);
