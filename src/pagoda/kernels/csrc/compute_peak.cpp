@@ -114,13 +114,25 @@ bool has_vnni() {
 #endif
 }
 
-std::vector<std::string> dot_peak_kinds() {
-  std::vector<std::string> kinds{"fp32_fma"};
+struct Kind {
+  const char* name;
+  int64_t (*chains)(int64_t steps);
+};
+
+// The kinds this variant runs on this CPU (dot_peak_kinds() lists their names).
+std::vector<Kind> peak_kinds() {
+  std::vector<Kind> kinds{{"fp32_fma", &fma_chains}};
 #if defined(PAGODA_ISA_AVX512_BF16)
-  kinds.emplace_back("bf16_dot");
+  kinds.push_back({"bf16_dot", &bf16_chains});
 #endif
-  kinds.emplace_back("int8_dot");
+  kinds.push_back({"int8_dot", has_vnni() ? &vnni_chains : &maddubs_chains});
   return kinds;
+}
+
+std::vector<std::string> dot_peak_kinds() {
+  std::vector<std::string> names;
+  for (const Kind& k : peak_kinds()) names.emplace_back(k.name);
+  return names;
 }
 
 // Runs `steps` rounds of 12 chains of `kind` on every torch thread; returns the
@@ -128,11 +140,8 @@ std::vector<std::string> dot_peak_kinds() {
 double dot_peak(const std::string& kind, int64_t steps) {
   TORCH_CHECK(steps >= 1 && steps <= (int64_t{1} << 40), "dot_peak: steps must be in [1, 2^40], got ", steps);
   int64_t (*chains)(int64_t) = nullptr;
-  if (kind == "fp32_fma") chains = &fma_chains;
-#if defined(PAGODA_ISA_AVX512_BF16)
-  if (kind == "bf16_dot") chains = &bf16_chains;
-#endif
-  if (kind == "int8_dot") chains = has_vnni() ? &vnni_chains : &maddubs_chains;
+  for (const Kind& k : peak_kinds())
+    if (kind == k.name) chains = k.chains;
   TORCH_CHECK(chains != nullptr, "dot_peak: unknown kind '", kind, "' for this variant (one of dot_peak_kinds())");
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   std::vector<int64_t> per(static_cast<size_t>(threads), 0);
